@@ -1,0 +1,1 @@
+"""Model helpers: tiny random-weight model directories for tests."""
