@@ -13,7 +13,11 @@ Vocabulary (DESIGN.md §1):
   query index that no longer sees token ``t`` (``n_tokens`` sentinel = never hidden in the prompt;
   generation queries see exactly the tokens with ``keep[t]``).
 - A Repos gives the visible keys positions ``0 .. r-1`` in order; the next append continues at
-  ``r``. ``transitions`` records, per Repos, the old and new positions of the surviving tokens.
+  ``r``. ``transitions`` holds one entry per Repos (in event order) with the old and new positions
+  of the visible tokens whose position changes; tokens already at their compact position are
+  omitted, so an already-compact Repos has an empty transition.
+- Build programs with :func:`akv.system.context.compiler.compile_program`; extend them with
+  generated tokens with :func:`akv.system.context.compiler.append_generated`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ class EventKind(IntEnum):
 
 @dataclass(frozen=True)
 class Event:
-    """One cache operation applied at a message boundary."""
+    """One cache operation applied at a message boundary.
+
+    ``anchor`` is the message after which it applies; a Drop lists its ``messages`` in request order
+    and the token ``ranges`` they own (half-open, sorted, merged where adjacent, empty ones left out).
+    """
 
     kind: EventKind
     at: int
@@ -46,7 +54,8 @@ class Event:
 
 @dataclass(frozen=True)
 class Transition:
-    """Positions of the surviving tokens before and after the Repos event ``event``."""
+    """Tokens moved by the Repos ``events[event]``, in stream order, with their positions before
+    and after it (int64 read-only arrays of equal length)."""
 
     event: int
     tokens: np.ndarray
