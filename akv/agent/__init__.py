@@ -1,0 +1,27 @@
+"""akv.agent: the client policy library of AKV (standard library only).
+
+Read the final chat payload, decide which earlier messages the model should stop attending to
+(drop) and when to compact positions (reposition), and add those decisions to the payload."""
+
+from akv.agent.context import DecisionContext
+from akv.agent.counting import ApproximateTokenCounter, TokenCounter, TokenLayout
+from akv.agent.errors import (AKVError, BackendError, ConfigError, ContextLengthError, HistoryError,
+                              HTTPStatusError, IncompleteStreamError, PayloadError, RuleError, StreamError,
+                              TokenCountError, TransportError)
+from akv.agent.history import CacheOperation, CacheOperationHistory
+from akv.agent.policy import CachePolicy
+from akv.agent.protection import Protection
+from akv.agent.receipts import ModelRequest
+from akv.agent.reposition import ModelReposition, TokenReposition, TurnReposition
+from akv.agent.selectors import ModelSelection, TokenSelection, TurnSelection
+from akv.agent.tool import DropContextTool
+from akv.agent.triggers import ModelTrigger, TokenTrigger, TurnTrigger
+
+__all__ = [
+    "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
+    "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "HistoryError",
+    "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest", "ModelSelection",
+    "ModelTrigger", "PayloadError", "Protection", "RuleError", "StreamError", "TokenCountError",
+    "TokenCounter", "TokenLayout", "TokenReposition", "TokenSelection", "TokenTrigger", "TransportError",
+    "TurnReposition", "TurnSelection", "TurnTrigger",
+]

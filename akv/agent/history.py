@@ -1,0 +1,149 @@
+"""The record of cache decisions for one conversation branch, with digests that tie it to that branch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from akv.agent.errors import HistoryError
+
+_FORMAT = "akv.cache_operation_history/1"
+_SETTINGS_FIELDS = ("model", "tools", "chat_template_kwargs", "reasoning_effort")
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _canonical(value: object) -> bytes:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"),
+                      default=repr).encode("utf-8", "surrogatepass")
+
+
+def prefix_digests(messages: Sequence[object], at: int) -> tuple[str, str]:
+    """Digests of `messages[:at]` and of all of `messages`, computed in one pass."""
+    h = hashlib.blake2b(digest_size=16)
+    prefix = ""
+    for i, message in enumerate(messages):
+        if i == at:
+            prefix = h.hexdigest()
+        h.update(_canonical(message))
+        h.update(b"\x1e")
+    full = h.hexdigest()
+    return (full if at >= len(messages) else prefix), full
+
+
+def settings_digest(payload: Mapping[str, object], api_style: str) -> str:
+    """Digest of what fixes the rendered tokens besides the messages: model, tools, template options."""
+    settings = {key: payload.get(key) for key in _SETTINGS_FIELDS}
+    settings["api_style"] = api_style
+    return hashlib.blake2b(_canonical(settings), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheOperation:
+    """Decisions taken after message `boundary`: hide the messages in `drop`, then, if `reposition`,
+    compact the positions of the visible tokens."""
+
+    boundary: int
+    drop: tuple[int, ...] = ()
+    reposition: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.boundary) or self.boundary < 0:
+            raise HistoryError(f"CacheOperation.boundary must be a non-negative int, got {self.boundary!r}")
+        if not isinstance(self.drop, tuple):
+            raise HistoryError(f"CacheOperation.drop must be a tuple, got {type(self.drop).__name__}")
+        previous = -1
+        for i in self.drop:
+            if not _is_int(i) or not previous < i <= self.boundary:
+                raise HistoryError(f"CacheOperation at {self.boundary}: drop id {i!r} must be an int in "
+                                   f"[0, {self.boundary}], strictly increasing")
+            previous = i
+        if type(self.reposition) is not bool:
+            raise HistoryError(f"CacheOperation.reposition must be a bool, got {self.reposition!r}")
+        if not self.drop and not self.reposition:
+            raise HistoryError(f"CacheOperation at {self.boundary} neither drops nor repositions")
+
+
+@dataclass(frozen=True)
+class CacheOperationHistory:
+    """Immutable, append-only log of the operations decided for one conversation branch.
+
+    `message_count` messages have been seen; `prefix_digest` is the digest of those messages and
+    `settings_digest` that of the model/tools/template settings they were decided under."""
+
+    operations: tuple[CacheOperation, ...]
+    message_count: int
+    prefix_digest: str
+    settings_digest: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.operations, tuple) or not all(
+                isinstance(op, CacheOperation) for op in self.operations):
+            raise HistoryError("CacheOperationHistory.operations must be a tuple of CacheOperation")
+        if not _is_int(self.message_count) or self.message_count < 1:
+            raise HistoryError(f"CacheOperationHistory.message_count must be a positive int, "
+                               f"got {self.message_count!r}")
+        for name in ("prefix_digest", "settings_digest"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise HistoryError(f"CacheOperationHistory.{name} must be a non-empty string")
+        previous = -1
+        hidden: set[int] = set()
+        for op in self.operations:
+            if op.boundary <= previous:
+                raise HistoryError(f"operation boundaries must strictly increase: {op.boundary} after {previous}")
+            if op.boundary >= self.message_count:
+                raise HistoryError(f"operation boundary {op.boundary} is not among the "
+                                   f"{self.message_count} messages seen")
+            again = hidden.intersection(op.drop)
+            if again:
+                raise HistoryError(f"operation at {op.boundary} drops already dropped messages {sorted(again)}")
+            hidden.update(op.drop)
+            previous = op.boundary
+
+    @property
+    def hidden(self) -> frozenset[int]:
+        """Every message id dropped so far."""
+        return frozenset(i for op in self.operations for i in op.drop)
+
+    def drop_message(self) -> dict[str, list[int]]:
+        """The cumulative wire field `drop_message` (string keys)."""
+        return {str(op.boundary): list(op.drop) for op in self.operations if op.drop}
+
+    def reposition(self) -> list[int]:
+        """The cumulative wire field `reposition`."""
+        return [op.boundary for op in self.operations if op.reposition]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": _FORMAT,
+            "message_count": self.message_count,
+            "prefix_digest": self.prefix_digest,
+            "settings_digest": self.settings_digest,
+            "operations": [{"boundary": op.boundary, "drop": list(op.drop), "reposition": op.reposition}
+                           for op in self.operations],
+        }, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CacheOperationHistory:
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise HistoryError(f"history is not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise HistoryError(f"history JSON must be an object with format {_FORMAT!r}")
+        ops = data.get("operations")
+        if not isinstance(ops, list):
+            raise HistoryError("history JSON field 'operations' must be a list")
+        operations = []
+        for k, op in enumerate(ops):
+            if not isinstance(op, dict) or set(op) != {"boundary", "drop", "reposition"}:
+                raise HistoryError(f"history JSON operations[{k}] must have exactly boundary, drop, reposition")
+            if not isinstance(op["drop"], list):
+                raise HistoryError(f"history JSON operations[{k}].drop must be a list")
+            operations.append(CacheOperation(op["boundary"], tuple(op["drop"]), op["reposition"]))
+        return cls(tuple(operations), data.get("message_count"), data.get("prefix_digest"),
+                   data.get("settings_digest"))
