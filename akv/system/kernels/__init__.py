@@ -1,0 +1,33 @@
+"""GPU kernels: RoPE re-rotation of KV slots and visibility-aware attention index lists, each with a
+plain PyTorch reference beside it."""
+
+from akv.system.kernels.kv_indices import (
+    ExtendKVMetadata,
+    HiddenRanges,
+    KeepMask,
+    KVIndexLists,
+    VisibleUntil,
+    decode_kv_indices,
+    extend_kv_indices,
+    visible_kv_indices,
+)
+from akv.system.kernels.layer_buffers import LayerBuffers
+from akv.system.kernels.rerotate import RerotateLaunch, check_copies, rerotate_kv
+from akv.system.kernels.rope_spec import RopeSpec, RopeTable
+
+__all__ = [
+    "ExtendKVMetadata",
+    "HiddenRanges",
+    "KVIndexLists",
+    "KeepMask",
+    "LayerBuffers",
+    "RerotateLaunch",
+    "RopeSpec",
+    "RopeTable",
+    "VisibleUntil",
+    "check_copies",
+    "decode_kv_indices",
+    "extend_kv_indices",
+    "rerotate_kv",
+    "visible_kv_indices",
+]

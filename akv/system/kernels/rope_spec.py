@@ -1,0 +1,103 @@
+"""RoPE parameters a re-rotation needs, read from a model config, and the FP32 cos/sin table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from akv.system.reference.rope import cos_sin
+
+_UNSCALED_ROPE_TYPES = (None, "default")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Plain (unscaled) rotary embedding: ``theta``, rotated prefix ``rotary_dim`` of a ``head_dim``
+    head, NeoX (rotate halves) or GPT-J (rotate even/odd pairs) style."""
+
+    theta: float
+    head_dim: int
+    rotary_dim: int
+    neox: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.theta > 0:
+            raise ValueError(f"RopeSpec.theta must be > 0, got {self.theta}")
+        if self.head_dim <= 0:
+            raise ValueError(f"RopeSpec.head_dim must be > 0, got {self.head_dim}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"RopeSpec.rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}"
+            )
+
+    @classmethod
+    def from_config(cls, config: Any, *, neox: bool = True) -> RopeSpec:
+        """Read a Hugging Face model config (object or ``config.json`` mapping). Scaled RoPE variants
+        (YaRN, llama3, linear, dynamic, ...) are rejected: re-rotating them needs their own angles."""
+        get = config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
+        params = get("rope_parameters") or {}
+        scaling = get("rope_scaling")
+        for field, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+            rope_type = None if not value else value.get("rope_type", value.get("type"))
+            if rope_type not in _UNSCALED_ROPE_TYPES:
+                raise ValueError(
+                    f"config.{field} selects scaled RoPE {rope_type!r}; only unscaled RoPE can be re-rotated"
+                )
+        theta = params.get("rope_theta", get("rope_theta"))
+        if theta is None:
+            raise ValueError("config has no rope_theta (neither top-level nor in rope_parameters)")
+        head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+        factor = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+        return cls(theta=float(theta), head_dim=int(head_dim), rotary_dim=int(head_dim * factor), neox=neox)
+
+    def cos_sin_table(self, max_position: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """FP32 ``[max_position, rotary_dim]`` table ``cat(cos, sin)`` of the reference angles (the layout
+        of SGLang's ``RotaryEmbedding.cos_sin_cache``)."""
+        if max_position <= 0:
+            raise ValueError(f"max_position must be > 0, got {max_position}")
+        cos, sin = cos_sin(torch.arange(max_position, dtype=torch.int64), self.rotary_dim, self.theta)
+        return torch.cat((cos, sin), dim=-1).to(device)
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """A ``RopeSpec`` with its FP32 ``[max_position, rotary_dim]`` cos|sin table on the kernel's device."""
+
+    spec: RopeSpec
+    table: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.table.dtype != torch.float32:
+            raise ValueError(f"RopeTable.table must be float32, got {self.table.dtype}")
+        if self.table.dim() != 2 or self.table.shape[1] != self.spec.rotary_dim or self.table.stride(1) != 1:
+            raise ValueError(
+                f"RopeTable.table must be [max_position, rotary_dim={self.spec.rotary_dim}] with a contiguous "
+                f"last dimension, got shape {tuple(self.table.shape)} strides {self.table.stride()}"
+            )
+
+    @classmethod
+    def build(cls, spec: RopeSpec, max_position: int, device: torch.device | str = "cpu") -> RopeTable:
+        """Table of the reference angles (``akv.system.reference.rope``) for positions ``< max_position``."""
+        return cls(spec=spec, table=spec.cos_sin_table(max_position, device))
+
+    @classmethod
+    def from_sglang(cls, rotary_emb: Any) -> RopeTable:
+        """Reuse an SGLang ``RotaryEmbedding``'s own ``cos_sin_cache``, so re-rotated keys match the keys
+        that model computes. Subclasses (the scaled variants) are rejected."""
+        kind = type(rotary_emb).__name__
+        if kind != "RotaryEmbedding":
+            raise ValueError(f"rotary_emb is a {kind}; only the unscaled RotaryEmbedding can be re-rotated")
+        spec = RopeSpec(
+            theta=float(rotary_emb.base),
+            head_dim=int(rotary_emb.head_size),
+            rotary_dim=int(rotary_emb.rotary_dim),
+            neox=bool(rotary_emb.is_neox_style),
+        )
+        return cls(spec=spec, table=rotary_emb.cos_sin_cache)
+
+    @property
+    def max_position(self) -> int:
+        return int(self.table.shape[0])
