@@ -1,0 +1,117 @@
+"""Prefix keys: the records (tokens and cache events) a request's KV depends on, as int64 arrays.
+
+A token record is the token id (>= 0). Event records are negative, so identical text with a
+different drop/reposition history stops matching at the first differing record, and a request
+without events has exactly the plain token-id key (the ordinary namespace, as in SGLang's RadixKey):
+
+- Drop: ``DROP_OPEN, -(start + BOUND_BASE), -(end + BOUND_BASE), ..., DROP_CLOSE`` per hidden range;
+- Repos: ``REPOS``.
+
+A token's position is not stored: it is a function of the records before it. Events that change
+nothing (a Drop hiding no token, a Repos of an already compact cache) produce no record, because
+the KV after them is the same as without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from akv.system.context.program import ContextProgram, EventKind
+
+DROP_OPEN = -1
+REPOS = -2
+DROP_CLOSE = -3
+BOUND_BASE = 8
+
+
+class CacheKeyError(ValueError):
+    """A key cannot be built or extended; the message names the field and value."""
+
+
+@dataclass(frozen=True)
+class RecordKey:
+    """One request's prefix key: ``records`` (int64) and the record index of every token."""
+
+    records: np.ndarray
+    token_record: np.ndarray
+    namespace: str = ""
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_record.shape[0])
+
+    def tokens_within(self, n_records: int) -> int:
+        """How many tokens have their record (and hence their whole history) in ``records[:n_records]``."""
+        return int(np.searchsorted(self.token_record, n_records, side="left"))
+
+    def with_tokens(self, token_ids: np.ndarray) -> RecordKey:
+        """This key followed by appended tokens (generated at the final stage, no further events)."""
+        ids = _token_ids(token_ids)
+        start = self.records.shape[0]
+        return RecordKey(
+            records=_frozen(np.concatenate([self.records, ids])),
+            token_record=_frozen(np.concatenate([self.token_record, np.arange(start, start + ids.size)])),
+            namespace=self.namespace,
+        )
+
+
+def plain_key(token_ids: np.ndarray, namespace: str = "") -> RecordKey:
+    """Key of a request without cache events: the token ids themselves."""
+    ids = _token_ids(token_ids)
+    return RecordKey(records=_frozen(ids.copy()), token_record=_frozen(np.arange(ids.size)), namespace=namespace)
+
+
+def program_key(program: ContextProgram, namespace: str = "") -> RecordKey:
+    """Key of a compiled program: its tokens with the effective events inserted where they apply."""
+    moved = {t.event: t.tokens.size for t in program.transitions}
+    pieces: list[np.ndarray] = []
+    token_record: list[np.ndarray] = []
+    done = 0
+    length = 0
+    for index, event in enumerate(program.events):
+        records = _event_records(event.kind, event.ranges, moved.get(index, 0))
+        if records.size == 0:
+            continue
+        pieces.append(program.token_ids[done : event.at])
+        token_record.append(np.arange(length, length + event.at - done))
+        length += event.at - done
+        pieces.append(records)
+        length += records.size
+        done = event.at
+    pieces.append(program.token_ids[done:])
+    token_record.append(np.arange(length, length + program.n_tokens - done))
+    return RecordKey(
+        records=_frozen(np.concatenate(pieces).astype(np.int64)),
+        token_record=_frozen(np.concatenate(token_record).astype(np.int64)),
+        namespace=namespace,
+    )
+
+
+def _event_records(kind: EventKind, ranges: tuple[tuple[int, int], ...], moved: int) -> np.ndarray:
+    if kind is EventKind.REPOS:
+        return np.array([REPOS] if moved else [], dtype=np.int64)
+    if not ranges:
+        return np.zeros(0, dtype=np.int64)
+    bounds = -(np.asarray(ranges, dtype=np.int64).reshape(-1) + BOUND_BASE)
+    return np.concatenate([[DROP_OPEN], bounds, [DROP_CLOSE]]).astype(np.int64)
+
+
+def _token_ids(value: np.ndarray) -> np.ndarray:
+    ids = np.asarray(value)
+    if ids.ndim != 1:
+        raise CacheKeyError(f"token_ids: expected a 1-D array, got shape {ids.shape}")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise CacheKeyError(f"token_ids: expected integers, got dtype {ids.dtype}")
+    ids = ids.astype(np.int64)
+    if ids.size and ids.min() < 0:
+        bad = int(np.flatnonzero(ids < 0)[0])
+        raise CacheKeyError(f"token_ids[{bad}]: negative token id {int(ids[bad])}")
+    return ids
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    arr.flags.writeable = False
+    return arr

@@ -1,0 +1,130 @@
+"""Plan objects handed from the cache core to an engine (frozen; arrays are int64 and read-only).
+
+Vocabulary: a *version* of a token's KV is one slot holding its K rotated for one position (V is the
+same in every version). Slots are written once and never rewritten while referenced, so versions
+can be shared between requests and tree branches freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """What the tree holds for a request: ``n_tokens`` tokens whose whole history matched, and for
+    each of them the resident versions (``slots[t, j]`` holds K rotated at ``positions[t, j]``; -1
+    pads). ``n_records`` counts matched records, events included."""
+
+    n_tokens: int
+    n_records: int
+    slots: np.ndarray
+    positions: np.ndarray
+
+    @property
+    def resident(self) -> np.ndarray:
+        """Per matched token: at least one version is resident."""
+        return (self.slots >= 0).any(axis=1)
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """Copy KV from ``src`` slots to ``dst`` slots, re-rotating K from ``old_positions`` to
+    ``new_positions`` (``R(new) R(old)^-1``, FP32); V is copied unchanged. ``tokens`` says whose."""
+
+    tokens: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    old_positions: np.ndarray
+    new_positions: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.dst.shape[0])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One forward of consecutive queries ``start .. end - 1``, all at stage ``stage``.
+
+    Run ``copies`` first. Query ``i`` (token ``start + i``) is at ``positions[i]`` and writes its KV
+    into ``slots[i]``; it attends to ``prefix_slots`` (the earlier tokens ``prefix_tokens`` it sees,
+    K rotated at ``prefix_positions``) and to ``slots[: i + 1]`` (causal within the segment).
+    """
+
+    stage: int
+    start: int
+    end: int
+    positions: np.ndarray
+    slots: np.ndarray
+    prefix_tokens: np.ndarray
+    prefix_slots: np.ndarray
+    prefix_positions: np.ndarray
+    copies: CopyJob
+
+    @property
+    def n_queries(self) -> int:
+        return self.end - self.start
+
+    def visible_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per query, the exact slots it reads, as CSR ``(indptr, indices)``."""
+        n, p = self.n_queries, self.prefix_slots.shape[0]
+        lengths = p + np.arange(1, n + 1, dtype=np.int64)
+        indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        rows = [np.concatenate([self.prefix_slots, self.slots[: i + 1]]) for i in range(n)]
+        indices = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+        return indptr, indices
+
+
+@dataclass(frozen=True)
+class TerminalView:
+    """What generation reads: the kept tokens at their final positions, after running ``copies``.
+    Generated tokens continue at ``next_position``."""
+
+    tokens: np.ndarray
+    slots: np.ndarray
+    positions: np.ndarray
+    copies: CopyJob
+    next_position: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Per-request counters (DESIGN.md §2), each token counted at most once.
+
+    ``cached_tokens``: tokens whose resident KV was read only at the position it was stored for;
+    ``repos_tokens``: tokens whose resident KV was read through a re-rotated copy;
+    ``drop_skipped_tokens``: prompt tokens neither computed nor read, because drops hid them.
+    """
+
+    cached_tokens: int
+    repos_tokens: int
+    drop_skipped_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "cached_tokens": self.cached_tokens,
+            "repos_tokens": self.repos_tokens,
+            "drop_skipped_tokens": self.drop_skipped_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """Everything an engine runs for one request: ``segments`` in order (the recovery plan, bound to
+    slots), then ``terminal.copies``; ``borrowed`` are tree slots the request holds references to,
+    ``fresh`` the slots allocated for it (births and copies); ``computed[t]`` marks queries that run."""
+
+    match: MatchResult
+    segments: tuple[Segment, ...]
+    terminal: TerminalView
+    borrowed: np.ndarray
+    fresh: np.ndarray
+    computed: np.ndarray
+    usage: Usage
+
+    @property
+    def copies(self) -> tuple[CopyJob, ...]:
+        return tuple(s.copies for s in self.segments) + (self.terminal.copies,)

@@ -1,0 +1,23 @@
+"""Usage counters of one request (DESIGN.md §2), from what its plan reads and computes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.system.cache.plan import Usage
+
+
+def count_usage(n_prompt: int, resident: np.ndarray, computed: np.ndarray, read: np.ndarray, rerotated: np.ndarray) -> Usage:
+    """Counts over prompt tokens. ``resident``: KV came from the tree (not recomputed); ``read``: some
+    query or generation reads it; ``rerotated``: at least one read went through a re-rotated copy."""
+    for name, mask in (("resident", resident), ("computed", computed), ("read", read), ("rerotated", rerotated)):
+        if mask.shape[0] < n_prompt:
+            raise ValueError(f"{name}: mask covers {mask.shape[0]} tokens, fewer than the {n_prompt} prompt tokens")
+    resident, computed = resident[:n_prompt], computed[:n_prompt]
+    read, rerotated = read[:n_prompt], rerotated[:n_prompt]
+    reused = resident & ~computed & read
+    return Usage(
+        cached_tokens=int((reused & ~rerotated).sum()),
+        repos_tokens=int((reused & rerotated).sum()),
+        drop_skipped_tokens=int((~computed & ~read).sum()),
+    )
