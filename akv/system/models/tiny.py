@@ -38,18 +38,18 @@ BYTE_ALPHABET_SIZE = 256
 
 CHAT_TEMPLATE = r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}
-{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{%- if messages and messages[0].role == 'system' %}{{- (messages[0].content or '') + '\n\n' }}{%- endif %}
 {{- '# Tools\n\nYou may call one or more functions. Their signatures are inside <tools></tools>:\n<tools>' }}
 {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
 {{- '\n</tools>\n\nReturn each call as a JSON object {"name": ..., "arguments": ...} inside <tool_call></tool_call> tags.<|im_end|>\n' }}
 {%- elif messages and messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{{- '<|im_start|>system\n' + (messages[0].content or '') + '<|im_end|>\n' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'system' %}
-{%- if not loop.first %}{{- '<|im_start|>system\n' + message.content + '<|im_end|>\n' }}{%- endif %}
+{%- if not loop.first %}{{- '<|im_start|>system\n' + (message.content or '') + '<|im_end|>\n' }}{%- endif %}
 {%- elif message.role == 'user' %}
-{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
+{{- '<|im_start|>user\n' + (message.content or '') + '<|im_end|>\n' }}
 {%- elif message.role == 'assistant' %}
 {{- '<|im_start|>assistant\n' }}
 {%- if message.content %}{{- message.content }}{%- endif %}
@@ -63,7 +63,7 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 {{- '<|im_end|>\n' }}
 {%- elif message.role == 'tool' %}
 {%- if loop.first or loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{{- '\n<tool_response>\n' + (message.content or '') + '\n</tool_response>' }}
 {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
 {%- else %}
 {{- raise_exception('unknown message role: ' + message.role) }}
