@@ -1,0 +1,319 @@
+"""Token provenance: which message owns each token of a rendered chat prompt (DESIGN.md §1).
+
+The chat template is rendered once with every output instrumented: an output emitted while a
+message object is the value of an enclosing ``for`` target (or macro argument) belongs to that
+message; an output inside an ``{% if add_generation_prompt %}`` branch belongs to the reply
+(owner ``n_messages``); output before the first owned character (preamble such as the system
+block and tool list) belongs to message 0. The instrumented text, with its markers removed, must
+equal the plain render, and the plain text is encoded once, as SGLang does
+(``add_special_tokens=False``). A token takes the owner of its first character; tokens whose
+characters span two owners are reported in ``boundary_tokens``. Anything else that would need a
+guess (unowned text between messages, messages rendered out of order, one message object listed
+twice, markers mangled by a template filter) raises :class:`ProvenanceError`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import numpy as np
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_MARK_FN = "akvprovenancemark"
+_GENERATION_FLAG = "add_generation_prompt"
+_NONE = -1
+_REPLY = -2
+
+
+class ProvenanceError(ValueError):
+    """Ownership of the rendered prompt cannot be established without guessing."""
+
+
+@dataclass(frozen=True)
+class OwnedText:
+    """A rendered prompt and the owner message of each character (``n_messages`` = the reply)."""
+
+    text: str
+    char_owners: np.ndarray
+    n_messages: int
+
+
+@dataclass(frozen=True)
+class TokenProvenance:
+    """Token ids of ``text`` (one encode), their character offsets and owner messages."""
+
+    text: str
+    token_ids: np.ndarray
+    offsets: np.ndarray
+    owners: np.ndarray
+    boundary_tokens: np.ndarray
+    n_messages: int
+
+
+class _GenerationTag(Extension):
+    """Accepts transformers' ``{% generation %}…{% endgeneration %}`` and renders the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The environment transformers' ``apply_chat_template`` renders with."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    """A chat template compiled twice: plain, and instrumented for per-character ownership."""
+
+    def __init__(self, source: str) -> None:
+        if not isinstance(source, str) or not source:
+            raise ProvenanceError(f"chat_template: expected a non-empty string, got {source!r:.60}")
+        self.source = source
+        env = _environment()
+        self._plain = env.from_string(source)
+        tree = env.parse(source)
+        _Instrumenter().visit(tree, (), False)
+        self._instrumented = env.from_string(tree)
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **variables: Any,
+    ) -> str:
+        """The plain render, as ``tokenizer.apply_chat_template(..., tokenize=False)`` produces it."""
+        return self._plain.render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
+        )
+
+    def render_owned(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **variables: Any,
+    ) -> OwnedText:
+        """Render once with ownership; checks the result against the plain render."""
+        index = _identity_index(messages)
+        nonce = secrets.token_hex(8)
+
+        def mark(value: Any, candidates: tuple[Any, ...], reply: bool) -> str:
+            owner = _REPLY if reply else _owner_of(candidates, index, messages)
+            return f"\x00{nonce}B{owner}\x00{str(value)}\x00{nonce}E\x00"
+
+        raw = self._instrumented.render(
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+            **{_MARK_FN: mark},
+        )
+        text, char_owners = _strip_markers(raw, nonce, len(messages))
+        plain = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+        if text != plain:
+            at = next((i for i, (a, b) in enumerate(zip(text, plain)) if a != b), min(len(text), len(plain)))
+            raise ProvenanceError(
+                f"chat_template: instrumented render differs from the plain render at character {at} "
+                f"({text[at:at + 20]!r} vs {plain[at:at + 20]!r}); a filter rewrote template output"
+            )
+        return OwnedText(text=text, char_owners=_settle_owners(char_owners, text, len(messages)), n_messages=len(messages))
+
+
+def token_provenance(owned: OwnedText, tokenizer: Any) -> TokenProvenance:
+    """Encode ``owned.text`` once (no added special tokens) and give every token its owner.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers fast tokenizer.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "encode") or not hasattr(backend, "get_vocab_size"):
+        raise ProvenanceError(f"tokenizer: {type(tokenizer).__name__} gives no character offsets (needs a fast tokenizer)")
+    encoding = backend.encode(owned.text, add_special_tokens=False)
+    ids = np.asarray(encoding.ids, dtype=np.int64)
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    owners, boundary = _token_owners(offsets, owned)
+    for arr in (ids, offsets, owners, boundary):
+        arr.flags.writeable = False
+    return TokenProvenance(owned.text, ids, offsets, owners, boundary, owned.n_messages)
+
+
+def _identity_index(messages: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    index: dict[int, int] = {}
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ProvenanceError(f"messages[{i}]: expected an object, got {type(message).__name__}")
+        earlier = index.setdefault(id(message), i)
+        if earlier != i:
+            raise ProvenanceError(f"messages[{i}]: same object as messages[{earlier}]; ownership would be ambiguous")
+    return index
+
+
+def _owner_of(candidates: tuple[Any, ...], index: dict[int, int], messages: Sequence[Any]) -> int:
+    for value in reversed(candidates):
+        i = index.get(id(value))
+        if i is not None and messages[i] is value:
+            return i
+    return _NONE
+
+
+class _Instrumenter:
+    """Wraps every output expression in a call that records the innermost message in scope."""
+
+    def visit(self, node: nodes.Node, scope: tuple[str, ...], reply: bool) -> None:
+        if isinstance(node, nodes.Output):
+            node.nodes = [self._wrap(child, scope, reply) for child in node.nodes]
+            return
+        if isinstance(node, nodes.For):
+            inner = scope + _target_names(node.target)
+            self.visit(node.iter, scope, reply)
+            for child in node.body:
+                self.visit(child, inner, reply)
+            for child in node.else_:
+                self.visit(child, scope, reply)
+            if node.test is not None:
+                self.visit(node.test, inner, reply)
+            return
+        if isinstance(node, (nodes.Macro, nodes.CallBlock)):
+            inner = scope + tuple(arg.name for arg in node.args)
+            for child in node.body:
+                self.visit(child, inner, reply)
+            return
+        if isinstance(node, nodes.If):
+            self.visit(node.test, scope, reply)
+            gen = reply or _GENERATION_FLAG in _target_names(node.test)
+            for child in node.body:
+                self.visit(child, scope, gen)
+            for child in node.elif_:
+                self.visit(child, scope, reply)
+            for child in node.else_:
+                self.visit(child, scope, reply)
+            return
+        for child in node.iter_child_nodes():
+            self.visit(child, scope, reply)
+
+    @staticmethod
+    def _wrap(child: nodes.Expr, scope: tuple[str, ...], reply: bool) -> nodes.Expr:
+        if isinstance(child, nodes.TemplateData):
+            child = nodes.Const(child.data)
+        candidates = nodes.Tuple([nodes.Name(name, "load") for name in scope], "load")
+        return nodes.Call(nodes.Name(_MARK_FN, "load"), [child, candidates, nodes.Const(reply)], [], None, None)
+
+
+def _target_names(target: nodes.Node) -> tuple[str, ...]:
+    if isinstance(target, nodes.Name):
+        return (target.name,)
+    return tuple(n.name for n in target.find_all(nodes.Name))
+
+
+def _strip_markers(raw: str, nonce: str, n_messages: int) -> tuple[str, np.ndarray]:
+    """Remove the markers; per character, the innermost owned marker (-1 none, ``n_messages`` reply)."""
+    pattern = re.compile(f"\x00{nonce}(?:B(-?[0-9]+)|E)\x00")
+    pieces: list[str] = []
+    owners: list[np.ndarray] = []
+    stack: list[int] = []
+    current = _NONE
+    pos = 0
+    for match in pattern.finditer(raw):
+        piece = raw[pos : match.start()]
+        if piece:
+            pieces.append(piece)
+            owners.append(np.full(len(piece), current, dtype=np.int64))
+        pos = match.end()
+        if match.group(1) is not None:
+            code = int(match.group(1))
+            stack.append(current)
+            if code == _REPLY:
+                current = n_messages
+            elif code != _NONE:
+                current = code
+        elif stack:
+            current = stack.pop()
+        else:
+            raise ProvenanceError("chat_template: output markers are unbalanced; a filter rewrote template output")
+    if stack or "\x00" + nonce in raw[pos:]:
+        raise ProvenanceError("chat_template: output markers are unbalanced; a filter rewrote template output")
+    tail = raw[pos:]
+    if tail:
+        pieces.append(tail)
+        owners.append(np.full(len(tail), current, dtype=np.int64))
+    text = "".join(pieces)
+    char_owners = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
+    return text, char_owners
+
+
+def _settle_owners(char_owners: np.ndarray, text: str, n_messages: int) -> np.ndarray:
+    """Give the preamble to message 0; reject unowned text elsewhere and out-of-order owners."""
+    owned = np.flatnonzero(char_owners != _NONE)
+    first = int(owned[0]) if owned.size else len(text)
+    if first and n_messages:
+        char_owners[:first] = 0
+    unowned = np.flatnonzero(char_owners == _NONE)
+    if unowned.size:
+        at = int(unowned[0])
+        raise ProvenanceError(
+            f"chat_template: character {at} ({text[at:at + 20]!r}) is emitted outside any message loop "
+            "after the first message; its owner would be a guess"
+        )
+    backwards = np.flatnonzero(char_owners[1:] < char_owners[:-1])
+    if backwards.size:
+        at = int(backwards[0]) + 1
+        raise ProvenanceError(
+            f"chat_template: message {int(char_owners[at])} is rendered after message {int(char_owners[at - 1])} "
+            f"(character {at}, {text[at:at + 20]!r}); messages must render in order"
+        )
+    char_owners.flags.writeable = False
+    return char_owners
+
+
+def _token_owners(offsets: np.ndarray, owned: OwnedText) -> tuple[np.ndarray, np.ndarray]:
+    n = offsets.shape[0]
+    chars = owned.char_owners
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    if starts.min() < 0 or ends.max() > chars.shape[0] or np.any(ends < starts):
+        raise ProvenanceError("tokenizer: offsets do not index the rendered text")
+    sized = ends > starts
+    owners = np.full(n, -1, dtype=np.int64)
+    owners[sized] = chars[starts[sized]]
+    # Zero-width tokens take the owner of the previous sized token (message 0 at the start).
+    filled = np.maximum.accumulate(np.where(sized, np.arange(n), -1))
+    owners = np.where(filled >= 0, owners[np.maximum(filled, 0)], 0)
+    boundary = np.flatnonzero(sized & (chars[np.maximum(ends - 1, 0)] != owners))
+    if np.any(owners[1:] < owners[:-1]):
+        at = int(np.flatnonzero(owners[1:] < owners[:-1])[0]) + 1
+        raise ProvenanceError(f"tokenizer: token {at} maps back to message {int(owners[at])} after a later message")
+    return owners, boundary
