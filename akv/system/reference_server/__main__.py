@@ -1,0 +1,40 @@
+"""``python -m akv.system.reference_server --model PATH [--host H] [--port P]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from akv.system.reference_server.engine import DEFAULT_KV_SLOTS, Engine
+from akv.system.reference_server.model_dir import ModelDirError
+from akv.system.reference_server.server import ReferenceServer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m akv.system.reference_server",
+                                     description="AKV CPU reference server (exact, slow; not for production)")
+    parser.add_argument("--model", required=True, help="HF model directory (safetensors + tokenizer.json)")
+    parser.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default: dir name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--kv-slots", type=int, default=DEFAULT_KV_SLOTS, help="KV cache capacity in tokens")
+    parser.add_argument("--verbose", action="store_true", help="log every HTTP request")
+    args = parser.parse_args(argv)
+    try:
+        engine = Engine(args.model, name=args.served_model_name, kv_slots=args.kv_slots)
+    except (ModelDirError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = ReferenceServer(engine, args.host, args.port, verbose=args.verbose)
+    print(f"AKV reference server: model {engine.model_name!r} at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

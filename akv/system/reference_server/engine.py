@@ -1,0 +1,151 @@
+"""The reference engine: render with provenance -> compile -> cache plan -> execute with the
+reference model on the CPU -> sample -> publish the new KV -> usage.
+
+One request at a time (the HTTP layer holds a lock). KV lives in FP32 slot pools shared with the cache
+core's radix tree, so later requests reuse every version whose whole token-and-event history matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import torch
+
+from akv.system.cache import CacheCore, CacheFull, SlotPool
+from akv.system.context.compiler import ProgramError, compile_program
+from akv.system.context.program import ContextProgram
+from akv.system.context.provenance import ChatTemplate, ProvenanceError, token_provenance
+from akv.system.reference.executor import execute_plan
+from akv.system.reference.model import ReferenceModel
+from akv.system.reference.paged import forward_paged
+from akv.system.reference_server.model_dir import ModelDir, load_model_dir
+from akv.system.reference_server.protocol import ChatRequest, RequestError
+from akv.system.reference_server.responses import PromptUsage, TokenChoice, TokenStep
+from akv.system.reference_server.sampling import Sampler
+from akv.system.reference_server.text import TextTracker
+
+DEFAULT_KV_SLOTS = 16384
+TOP_CANDIDATES = 20
+
+OnToken = Callable[[TokenStep, str], None]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request rendered and compiled, ready to run; ``max_new_tokens`` respects the context limit."""
+
+    program: ContextProgram
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The finished reply: ``steps`` has one entry per generated token (the end token included)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    steps: tuple[TokenStep, ...]
+    finish_reason: str
+    usage: PromptUsage
+
+
+class Engine:
+    """A model directory served by the reference model, with a radix-tree KV cache of ``kv_slots``."""
+
+    def __init__(self, model_path: str | Path, *, name: str | None = None, kv_slots: int = DEFAULT_KV_SLOTS) -> None:
+        self.files: ModelDir = load_model_dir(model_path)
+        self.model = ReferenceModel.from_pretrained(self.files.path, dtype=torch.float32)
+        self.model_name = name or self.files.path.name
+        self.max_context = self.files.max_context
+        self.template = ChatTemplate(self.files.chat_template)
+        c = self.model.config
+        self.k_pool = [torch.zeros(kv_slots + 1, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
+        self.v_pool = [torch.zeros(kv_slots + 1, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
+        self.pool = SlotPool(kv_slots)
+        self.cache = CacheCore(self.pool)
+
+    def prepare(self, request: ChatRequest) -> Prepared:
+        """Render and compile; every problem with the request raises :class:`RequestError`."""
+        messages = list(request.messages)
+        try:
+            owned = self.template.render_owned(messages, tools=list(request.tools) or None,
+                                               add_generation_prompt=True, **request.template_kwargs)
+            provenance = token_provenance(owned, self.files.tokenizer)
+            program = compile_program(provenance.token_ids, provenance.owners, request.rules, len(messages))
+        except (ProvenanceError, jinja2.TemplateError) as exc:
+            raise RequestError("messages", f"{len(messages)} messages", f"the chat template cannot render them: {exc}") from exc
+        except ProgramError as exc:
+            raise RequestError("messages", f"{len(messages)} messages", f"cannot compile the request: {exc}") from exc
+        room = self.max_context - program.next_position
+        if room < 1:
+            raise RequestError("messages", program.n_prompt, f"the prompt needs position {program.next_position}, "
+                               f"beyond this model's maximum context length of {self.max_context} tokens")
+        needed = program.n_tokens + min(room, request.sampling.max_tokens)
+        if needed > self.pool.size:
+            raise RequestError("messages", program.n_prompt, f"the request needs {needed} KV slots, more than the "
+                               f"{self.pool.size} this server holds (maximum context length)")
+        return Prepared(program, min(room, request.sampling.max_tokens))
+
+    def generate(self, prepared: Prepared, request: ChatRequest, on_token: OnToken | None) -> Generation:
+        """Run the prompt through the cache plan, then decode; publishes all new KV to the tree."""
+        program = prepared.program
+        active = self.cache.admit(program)
+        plan = active.plan
+        sampler = Sampler(request.sampling)
+        tracker = TextTracker(self.files.tokenizer, request.sampling.stop)
+        ids: list[int] = []
+        steps: list[TokenStep] = []
+        gen_slots: list[int] = []
+        finish = "length"
+        try:
+            logits = execute_plan(self.model, plan, program, self.k_pool, self.v_pool)
+            terminal_slots = torch.as_tensor(plan.terminal.slots, dtype=torch.int64)
+            while True:
+                step = self._step(logits, sampler)
+                ids.append(step.chosen.token_id)
+                steps.append(step)
+                visible = tracker.update(ids)
+                if on_token is not None:
+                    on_token(step, visible)
+                if step.chosen.token_id in self.files.eos_token_ids or tracker.stopped:
+                    finish = "stop"
+                    break
+                if len(ids) >= prepared.max_new_tokens:
+                    break
+                gen_slots.append(int(self.cache.allocate(1)[0]))
+                slots = torch.cat((terminal_slots, torch.tensor(gen_slots, dtype=torch.int64)))
+                logits = forward_paged(
+                    self.model, torch.tensor([ids[-1]]), torch.tensor([program.next_position + len(gen_slots) - 1]),
+                    self.k_pool, self.v_pool, torch.tensor([gen_slots[-1]]),
+                    torch.tensor([0, slots.numel()]), slots,
+                )[0]
+        except BaseException:
+            self.cache.abort(active)
+            if gen_slots:
+                self.pool.decref(np.asarray(gen_slots, dtype=np.int64))
+            raise
+        self.cache.finish(active, np.asarray(ids[: len(gen_slots)], dtype=np.int64), np.asarray(gen_slots, dtype=np.int64))
+        usage = plan.usage
+        return Generation(
+            token_ids=tuple(ids),
+            text=tracker.final(ids),
+            steps=tuple(steps),
+            finish_reason=finish,
+            usage=PromptUsage(program.n_prompt, usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens),
+        )
+
+    def _step(self, logits: torch.Tensor, sampler: Sampler) -> TokenStep:
+        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        token = sampler.pick(logits)
+        top = torch.topk(logprobs, min(TOP_CANDIDATES, logprobs.numel()))
+        return TokenStep(
+            chosen=self._choice(token, float(logprobs[token])),
+            top=tuple(self._choice(int(i), float(v)) for v, i in zip(top.values, top.indices)),
+        )
+
+    def _choice(self, token_id: int, logprob: float) -> TokenChoice:
+        return TokenChoice(token_id, self.files.tokenizer.decode([token_id], skip_special_tokens=False), logprob)

@@ -1,0 +1,281 @@
+"""Parse and validate an OpenAI chat-completions request body into a :class:`ChatRequest`.
+
+Every failure raises :class:`RequestError` naming the JSON field (``messages[3].role``) and the bad
+value; the HTTP layer turns it into a 400. Unknown top-level fields are rejected rather than ignored,
+so a misspelt AKV field (``drop_messages``) cannot silently turn a context request into a plain one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from akv.system.context.rules import ContextRules, RuleError, is_plain_request, parse_rules
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 4
+DEFAULT_MAX_TOKENS = 128
+
+# Accepted for compatibility; the reference server has nothing to do with them.
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "parallel_tool_calls", "service_tier", "response_format", "modalities",
+})
+# Accepted only at their neutral value.
+NEUTRAL_FIELDS: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "n": 1, "logit_bias": None}
+KNOWN_FIELDS = frozenset({
+    "model", "messages", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
+    "max_completion_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
+    "chat_template_kwargs", "drop_message", "reposition", "drop_rule",
+}) | IGNORED_FIELDS | frozenset(NEUTRAL_FIELDS)
+
+
+class RequestError(ValueError):
+    """A request field is invalid; ``field`` is its JSON path and ``value`` the offending value."""
+
+    def __init__(self, field: str, value: Any, problem: str) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(f"{field}: {problem}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick each token: greedy when ``temperature == 0``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated request. ``messages``/``tools`` are normalised plain JSON (text parts joined)."""
+
+    model: str
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...]
+    rules: ContextRules
+    is_context: bool
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    parse_tool_calls: bool
+    logprobs: bool
+    top_logprobs: int
+    template_kwargs: dict[str, Any]
+
+
+def parse_chat_request(body: Any, served_model: str) -> ChatRequest:
+    """Validate a decoded JSON body against the model this server serves."""
+    if not isinstance(body, Mapping):
+        raise RequestError("body", _short(body), f"expected a JSON object, got {type(body).__name__}")
+    for key in body:
+        if key not in KNOWN_FIELDS:
+            raise RequestError(key, _short(body[key]), f"unknown field {key!r}")
+    for key, neutral in NEUTRAL_FIELDS.items():
+        if key in body and body[key] != neutral:
+            raise RequestError(key, body[key], f"only {neutral!r} is supported by the reference server")
+    if body.get("drop_rule") is not None:
+        raise RequestError("drop_rule", _short(body["drop_rule"]), "drop_rule is not supported; use drop_message")
+
+    model = body.get("model")
+    if model != served_model:
+        raise RequestError("model", model, f"this server serves {served_model!r}")
+    messages = _messages(body.get("messages"))
+    tools = _tools(body.get("tools"))
+    tool_choice = body.get("tool_choice", "auto")
+    if tool_choice not in ("auto", "none"):
+        raise RequestError("tool_choice", _short(tool_choice), "only 'auto' and 'none' are supported")
+
+    drop_message, reposition = body.get("drop_message"), body.get("reposition")
+    try:
+        rules = parse_rules(drop_message, reposition, len(messages))
+    except RuleError as exc:
+        raise RequestError(exc.field, exc.value, str(exc).split(": ", 1)[-1]) from exc
+    is_context = "drop_message" in body or "reposition" in body or not is_plain_request(drop_message, reposition)
+
+    stream = _bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, Mapping):
+            raise RequestError("stream_options", _short(stream_options), "expected an object")
+        for key in stream_options:
+            if key not in ("include_usage", "continuous_usage_stats"):
+                raise RequestError(f"stream_options.{key}", _short(stream_options[key]), f"unknown field {key!r}")
+        include_usage = _bool(stream_options, "include_usage", False, prefix="stream_options.")
+
+    logprobs = _bool(body, "logprobs", False)
+    top_logprobs = body.get("top_logprobs", 0)
+    if top_logprobs is None:
+        top_logprobs = 0
+    if type(top_logprobs) is not int or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError("top_logprobs", top_logprobs, f"expected an int in 0..{MAX_TOP_LOGPROBS}")
+    if top_logprobs and not logprobs:
+        raise RequestError("top_logprobs", top_logprobs, "needs logprobs: true")
+
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise RequestError("chat_template_kwargs", _short(kwargs), "expected an object")
+
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        tools=tools,
+        rules=rules,
+        is_context=is_context,
+        sampling=_sampling(body),
+        stream=stream,
+        include_usage=include_usage or (stream and is_context),
+        parse_tool_calls=bool(tools) and tool_choice == "auto",
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        template_kwargs=dict(kwargs),
+    )
+
+
+def _messages(value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages", _short(value), "expected a non-empty list of messages")
+    out = []
+    for i, raw in enumerate(value):
+        field = f"messages[{i}]"
+        if not isinstance(raw, Mapping):
+            raise RequestError(field, _short(raw), f"expected an object, got {type(raw).__name__}")
+        role = raw.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{field}.role", role, f"role must be one of {list(ROLES)}")
+        message: dict[str, Any] = {"role": role, "content": _content(raw.get("content"), f"{field}.content", role)}
+        if role == "assistant":
+            if raw.get("tool_calls"):
+                message["tool_calls"] = _tool_calls(raw["tool_calls"], f"{field}.tool_calls")
+            elif message["content"] is None:
+                raise RequestError(f"{field}.content", None, "assistant message needs content or tool_calls")
+            reasoning = raw.get("reasoning_content")
+            if reasoning is not None:
+                message["reasoning_content"] = _string(reasoning, f"{field}.reasoning_content")
+        elif message["content"] is None:
+            raise RequestError(f"{field}.content", None, f"{role} message needs content")
+        for key in ("name", "tool_call_id"):
+            if raw.get(key) is not None:
+                message[key] = _string(raw[key], f"{field}.{key}")
+        out.append(message)
+    return tuple(out)
+
+
+def _content(value: Any, field: str, role: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"{field}[{j}]", _short(part), "only {'type': 'text', 'text': str} parts are supported")
+            parts.append(part["text"])
+        # Tool results join with a space (as SGLang does); other roles concatenate.
+        return (" " if role == "tool" else "").join(parts)
+    raise RequestError(field, _short(value), f"expected a string, a list of text parts or null, got {type(value).__name__}")
+
+
+def _tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise RequestError(field, _short(value), "expected a list")
+    calls = []
+    for j, call in enumerate(value):
+        item = f"{field}[{j}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise RequestError(f"{item}.function", _short(function), "expected an object with name and arguments")
+        name = _string(function.get("name"), f"{item}.function.name")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise RequestError(f"{item}.function.arguments", _short(arguments), f"not valid JSON ({exc.msg})") from exc
+        elif not isinstance(arguments, Mapping):
+            raise RequestError(f"{item}.function.arguments", _short(arguments), "expected a JSON string or an object")
+        calls.append({
+            "id": _string(call.get("id", f"call_{j}"), f"{item}.id"),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        })
+    return calls
+
+
+def _tools(value: Any) -> tuple[dict[str, Any], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise RequestError("tools", _short(value), "expected a list of tools")
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or not isinstance(function, Mapping):
+            raise RequestError(f"tools[{i}]", _short(tool), "expected {'type': 'function', 'function': {...}}")
+        _string(function.get("name"), f"tools[{i}].function.name")
+    return tuple(json.loads(json.dumps(value)))
+
+
+def _sampling(body: Mapping[str, Any]) -> Sampling:
+    temperature = _number(body, "temperature", 0.0, low=0.0, high=2.0)
+    top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0)
+    if top_p == 0.0:
+        raise RequestError("top_p", top_p, "must be greater than 0")
+    seed = body.get("seed")
+    if seed is not None and type(seed) is not int:
+        raise RequestError("seed", seed, "expected an int")
+    max_tokens = DEFAULT_MAX_TOKENS
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is not None:
+            if type(value) is not int or value <= 0:
+                raise RequestError(key, value, "expected a positive int")
+            max_tokens = value
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in stop):
+        stops = tuple(stop)
+    else:
+        raise RequestError("stop", _short(stop), f"expected a string or up to {MAX_STOP_STRINGS} non-empty strings")
+    if "" in stops:
+        raise RequestError("stop", stop, "stop strings must be non-empty")
+    return Sampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=stops)
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, *, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+        raise RequestError(key, value, f"expected a number in [{low}, {high}]")
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool, *, prefix: str = "") -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(prefix + key, value, "expected true or false")
+    return value
+
+
+def _string(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(field, _short(value), f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _short(value: Any, limit: int = 200) -> Any:
+    """The value itself when small, else a truncated JSON rendering (error messages stay readable)."""
+    text = json.dumps(value, default=repr)
+    return value if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,53 @@
+"""The three demo policies (``--policy turn|token|model``) built from akv.agent's rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from akv.agent import (
+    ApproximateTokenCounter,
+    CachePolicy,
+    DropContextTool,
+    ModelReposition,
+    ModelSelection,
+    ModelTrigger,
+    TokenReposition,
+    TokenSelection,
+    TokenTrigger,
+    TurnReposition,
+    TurnSelection,
+    TurnTrigger,
+)
+
+POLICY_KINDS = ("turn", "token", "model")
+
+
+@dataclass(frozen=True)
+class DemoPolicy:
+    """A policy plus, for the model-driven kind, the ``drop_context`` tool offered to the model."""
+
+    kind: str
+    policy: CachePolicy
+    drop_tool: DropContextTool | None
+    description: str
+
+
+def make_policy(kind: str, *, record_tokens: int) -> DemoPolicy:
+    """``record_tokens`` is the approximate size of one record; token thresholds scale with it."""
+    if kind == "turn":
+        return DemoPolicy(kind, CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(1),
+                                            reposition=TurnReposition(after=2, every=2)), None,
+                          "keep the newest record; drop older ones every turn; reposition every 2nd turn")
+    if kind == "token":
+        counter = ApproximateTokenCounter()
+        threshold, target = 3 * record_tokens, 2 * record_tokens
+        return DemoPolicy(kind, CachePolicy(trigger=TokenTrigger(threshold, counter),
+                                            selector=TokenSelection(target, counter),
+                                            reposition=TokenReposition(threshold, counter)), None,
+                          f"drop oldest records once the visible prompt exceeds ~{threshold} tokens "
+                          f"(down to ~{target}); reposition past ~{threshold} positions")
+    if kind == "model":
+        policy = CachePolicy(trigger=ModelTrigger(), selector=ModelSelection(), reposition=ModelReposition())
+        return DemoPolicy(kind, policy, policy.drop_context_tool(),
+                          "the model calls drop_context to hide records it no longer needs")
+    raise ValueError(f"policy must be one of {list(POLICY_KINDS)}, got {kind!r}")

@@ -1,0 +1,93 @@
+"""Per-step measurements and the final summary table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one call cost: tokens sent and how the server served them, plus wall time."""
+
+    step: int
+    messages: int
+    prompt_tokens: int
+    cached_tokens: int
+    repos_tokens: int
+    drop_skipped_tokens: int
+    completion_tokens: int
+    latency_s: float
+    dropped_so_far: int
+    repositions_so_far: int
+    action: str
+
+    @classmethod
+    def from_usage(cls, step: int, messages: int, usage: Mapping[str, Any] | None, latency_s: float,
+                   dropped_so_far: int, repositions_so_far: int, action: str) -> StepRecord:
+        """Build from an OpenAI ``usage`` object; a missing usage is an error (the server must report it)."""
+        if not isinstance(usage, Mapping):
+            raise ValueError(f"step {step}: the server returned no usage object, got {usage!r}")
+        details = usage.get("prompt_tokens_details") or {}
+        return cls(
+            step=step,
+            messages=messages,
+            prompt_tokens=int(usage["prompt_tokens"]),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+            repos_tokens=int(details.get("repos_tokens") or 0),
+            drop_skipped_tokens=int(details.get("drop_skipped_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            latency_s=latency_s,
+            dropped_so_far=dropped_so_far,
+            repositions_so_far=repositions_so_far,
+            action=action,
+        )
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the server had to compute (neither reused nor skipped)."""
+        return self.prompt_tokens - self.cached_tokens - self.repos_tokens - self.drop_skipped_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "computed_tokens": self.computed_tokens}
+
+
+# (title, field, width, format spec); the action column is left-aligned and unpadded.
+_COLUMNS = (
+    ("step", "step", 4, "d"),
+    ("msgs", "messages", 5, "d"),
+    ("sent", "prompt_tokens", 8, "d"),
+    ("cached", "cached_tokens", 8, "d"),
+    ("re-rot", "repos_tokens", 8, "d"),
+    ("skipped", "drop_skipped_tokens", 8, "d"),
+    ("computed", "computed_tokens", 9, "d"),
+    ("gen", "completion_tokens", 5, "d"),
+    ("latency_s", "latency_s", 10, ".2f"),
+    ("dropped", "dropped_so_far", 8, "d"),
+)
+_SUMMED = ("prompt_tokens", "cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens",
+           "completion_tokens", "latency_s")
+
+
+def summary_table(records: Sequence[StepRecord]) -> str:
+    """A fixed-width text table, one row per step plus a totals row."""
+    header = "".join(title.rjust(width) for title, _, width, _ in _COLUMNS) + "  action"
+    rule = "-" * len(header)
+    rows = [header, rule]
+    for record in records:
+        values = record.as_dict()
+        rows.append("".join(format(values[key], spec).rjust(width) for _, key, width, spec in _COLUMNS)
+                    + "  " + record.action)
+    all_steps = totals(records)
+    cells = []
+    for _, key, width, spec in _COLUMNS:
+        text = "all" if key == "step" else format(all_steps[key], spec) if key in all_steps else ""
+        cells.append(text.rjust(width))
+    rows += [rule, "".join(cells).rstrip()]
+    return "\n".join(rows)
+
+
+def totals(records: Sequence[StepRecord]) -> dict[str, Any]:
+    """Sums over all steps of the token counters and the latency."""
+    return {key: sum(r.as_dict()[key] for r in records) for key in _SUMMED}
