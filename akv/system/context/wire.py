@@ -1,0 +1,119 @@
+"""Compact byte form of a :class:`ContextProgram` for inter-process transport.
+
+Only the inputs travel: token ids, tokens per owner message, and the operations (drops and
+repositions by anchor). :func:`decode_program` checks the framing and a BLAKE2b digest, then
+rebuilds every derived array with the compiler, so a decoded program is valid by construction.
+
+Layout (little-endian): ``b"AKVP"``, u16 version, u16 flags (0), u32 ``n_tokens``, ``n_prompt``,
+``n_messages``, ``n_drops``, ``n_dropped``, ``n_repos``; then int32 arrays ``token_ids[n_tokens]``,
+``counts[n_messages + 1]`` (prompt tokens per owner, the last one being the reply),
+``drop_anchors[n_drops]``, ``drop_sizes[n_drops]``, ``dropped[n_dropped]``, ``repos[n_repos]``;
+then an 8-byte BLAKE2b digest of everything before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+
+from akv.system.context.compiler import ProgramError, append_generated, compile_program
+from akv.system.context.program import ContextProgram, EventKind
+from akv.system.context.rules import ContextRules, Drop, RuleError
+
+MAGIC = b"AKVP"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHIIIIII")
+_DIGEST = 8
+_INT32_MAX = np.iinfo(np.int32).max
+_I32 = np.dtype("<i4")
+
+
+class WireError(ValueError):
+    """Bytes do not decode to a valid program, or a program cannot be encoded."""
+
+
+def encode_program(program: ContextProgram) -> bytes:
+    """Serialise ``program``; raises :class:`WireError` if a value does not fit the format."""
+    n_prompt = program.n_prompt
+    generated_owners = program.owners[n_prompt:]
+    if generated_owners.size and np.any(generated_owners != program.n_messages):
+        raise WireError("owners: generated tokens must be owned by the reply (n_messages)")
+    if program.token_ids.size and int(program.token_ids.max()) > _INT32_MAX:
+        raise WireError(f"token_ids: id {int(program.token_ids.max())} does not fit int32")
+    if program.n_tokens > _INT32_MAX:
+        raise WireError(f"n_tokens: {program.n_tokens} does not fit int32")
+    counts = np.bincount(program.owners[:n_prompt], minlength=program.n_messages + 1)
+    drops = [e for e in program.events if e.kind is EventKind.DROP]
+    repos = [e.anchor for e in program.events if e.kind is EventKind.REPOS]
+    dropped = [m for e in drops for m in e.messages]
+    body = b"".join(
+        [
+            _HEADER.pack(MAGIC, VERSION, 0, program.n_tokens, n_prompt, program.n_messages, len(drops), len(dropped), len(repos)),
+            _int32(program.token_ids),
+            _int32(counts),
+            _int32([e.anchor for e in drops]),
+            _int32([len(e.messages) for e in drops]),
+            _int32(dropped),
+            _int32(repos),
+        ]
+    )
+    return body + _digest(body)
+
+
+def decode_program(data: bytes) -> ContextProgram:
+    """Parse and fully re-validate bytes produced by :func:`encode_program`."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"data: expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) < _HEADER.size + _DIGEST:
+        raise WireError(f"data: {len(data)} bytes is shorter than the {_HEADER.size + _DIGEST}-byte frame")
+    magic, version, flags, n_tokens, n_prompt, n_messages, n_drops, n_dropped, n_repos = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise WireError(f"magic: {magic!r} is not {MAGIC!r}")
+    if version != VERSION:
+        raise WireError(f"version: {version} is not supported (expected {VERSION})")
+    if flags != 0:
+        raise WireError(f"flags: {flags} must be 0")
+    sizes = [n_tokens, n_messages + 1, n_drops, n_drops, n_dropped, n_repos]
+    expected = _HEADER.size + 4 * sum(sizes) + _DIGEST
+    if len(data) != expected:
+        raise WireError(f"data: {len(data)} bytes, the header announces {expected}")
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if _digest(body) != digest:
+        raise WireError("digest: content does not match its checksum")
+    arrays = []
+    offset = _HEADER.size
+    for size in sizes:
+        arrays.append(np.frombuffer(body, dtype=_I32, count=size, offset=offset).astype(np.int64))
+        offset += 4 * size
+    token_ids, counts, anchors, drop_sizes, dropped, repos = arrays
+    if n_prompt > n_tokens:
+        raise WireError(f"n_prompt: {n_prompt} exceeds n_tokens {n_tokens}")
+    if np.any(counts < 0) or int(counts.sum()) != n_prompt:
+        raise WireError(f"counts: per-message token counts must be non-negative and sum to n_prompt {n_prompt}")
+    if np.any(drop_sizes < 1) or int(drop_sizes.sum()) != n_dropped:
+        raise WireError(f"drop_sizes: each drop needs at least one message and the sizes must sum to {n_dropped}")
+    splits = np.cumsum(drop_sizes)[:-1]
+    try:
+        rules = ContextRules(
+            drops=tuple(
+                Drop(int(a), tuple(int(m) for m in msgs))
+                for a, msgs in zip(anchors.tolist(), np.split(dropped, splits) if n_drops else [])
+            ),
+            repositions=tuple(int(r) for r in repos.tolist()),
+        )
+        owners = np.repeat(np.arange(n_messages + 1, dtype=np.int64), counts)
+        program = compile_program(token_ids[:n_prompt], owners, rules, n_messages)
+        return append_generated(program, token_ids[n_prompt:])
+    except (RuleError, ProgramError) as err:
+        raise WireError(f"program: {err}") from err
+
+
+def _int32(values: object) -> bytes:
+    return np.asarray(values, dtype=np.int64).astype(_I32).tobytes()
+
+
+def _digest(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=_DIGEST).digest()
