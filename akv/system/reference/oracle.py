@@ -212,4 +212,4 @@ def program_events(program: ContextProgram) -> list[OracleEvent]:
 
 def run_program(model: ReferenceModel, program: ContextProgram) -> OracleResult:
     """Run the oracle on a compiled program's token ids and events; positions are recomputed here."""
-    return run_oracle(model, torch.as_tensor(program.token_ids, dtype=torch.int64), program_events(program))
+    return run_oracle(model, torch.tensor(program.token_ids, dtype=torch.int64), program_events(program))
