@@ -1,0 +1,77 @@
+"""Hooks for the patched ``serving_chat.py``: admit or refuse a context request before it is queued."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from akv.system.adapter.protocol import request_rules
+from akv.system.context.rules import ContextRules
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_PAGE_SIZE = 1
+REQUIRED_ATTENTION_BACKEND = "triton"
+
+
+class UnsupportedContextRequest(ValueError):
+    """A request with ``drop_message``/``reposition`` uses a mode or server setting AKV cannot serve."""
+
+
+def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> ContextRules | None:
+    """Rules of a context request after checking it can be served, None for a plain request.
+
+    ``serving`` is SGLang's ``OpenAIServingChat``. Raises :class:`UnsupportedContextRequest`
+    (HTTP 400) naming the field or server setting in the way.
+    """
+    rules = request_rules(request)
+    if rules is None:
+        return None
+    _check_request_mode(request, is_multimodal, serving.template_manager.chat_template_name)
+    _check_server(serving.tokenizer_manager.server_args)
+    _warn_not_executed_once()
+    return rules
+
+
+def _check_request_mode(request: Any, is_multimodal: bool, chat_template_name: str | None) -> None:
+    if request.n != 1:
+        raise UnsupportedContextRequest(f"n: drop_message/reposition need n == 1, got {request.n!r}")
+    if request.input_ids is not None:
+        raise UnsupportedContextRequest(
+            "input_ids: drop_message/reposition need the server to render messages; omit input_ids"
+        )
+    if request.continue_final_message:
+        raise UnsupportedContextRequest(
+            "continue_final_message: not supported together with drop_message/reposition"
+        )
+    if is_multimodal:
+        raise UnsupportedContextRequest("model: drop_message/reposition are not supported for multimodal models")
+    if chat_template_name is not None:
+        raise UnsupportedContextRequest(
+            f"chat_template: the built-in template {chat_template_name!r} is not supported with "
+            "drop_message/reposition; serve with the model's own jinja template"
+        )
+
+
+def _check_server(server_args: Any) -> None:
+    if server_args.page_size != REQUIRED_PAGE_SIZE:
+        raise UnsupportedContextRequest(
+            f"server configuration: page_size {server_args.page_size!r} is not supported with "
+            f"drop_message/reposition (needs {REQUIRED_PAGE_SIZE}; start with python -m akv.system.launch_server)"
+        )
+    for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        value = getattr(server_args, name)
+        if value not in (None, REQUIRED_ATTENTION_BACKEND):
+            raise UnsupportedContextRequest(
+                f"server configuration: {name} {value!r} is not supported with drop_message/reposition "
+                f"(needs {REQUIRED_ATTENTION_BACKEND!r}; start with python -m akv.system.launch_server)"
+            )
+
+
+@functools.cache
+def _warn_not_executed_once() -> None:
+    logger.warning(
+        "AKV: drop_message/reposition are validated but not yet executed on the KV cache; "
+        "context requests are served like plain ones until the scheduler integration lands"
+    )

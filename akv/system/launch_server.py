@@ -1,0 +1,137 @@
+"""Start the patched SGLang server with the settings AKV's first configuration needs.
+
+``python -m akv.system.launch_server [SGLang flags]`` checks that the installed SGLang is the AKV
+build, adds ``--page-size 1`` and ``--attention-backend triton`` unless given, refuses flags that
+contradict them, and hands every flag to SGLang's own launcher.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PATCHED_SUFFIX = "+akv"
+BUILD_COMMAND = "python -m akv.system._build --out dist --install"
+
+AKV_DEFAULTS: dict[str, str] = {"--page-size": "1", "--attention-backend": "triton"}
+"""Flags added when absent, with the only value AKV accepts."""
+
+REQUIRED: dict[str, str] = {
+    **AKV_DEFAULTS,
+    "--prefill-attention-backend": "triton",
+    "--decode-attention-backend": "triton",
+}
+"""Flags that may be given but only with this value."""
+
+_SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag in REQUIRED}
+
+
+class LaunchError(RuntimeError):
+    """The server cannot be started as asked; the message says why and what to do."""
+
+
+def installed_sglang_version() -> str | None:
+    """``sglang.__version__`` as written in the installed package, read without importing it."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        version_py = Path(folder) / "_version.py"
+        if version_py.is_file():
+            return _version_from_source(version_py.read_text(encoding="utf-8"))
+    return None
+
+
+def _version_from_source(source: str) -> str | None:
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            names = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if "__version__" in names and isinstance(node.value.value, str):
+                return node.value.value
+    return None
+
+
+def check_patched(version: str | None) -> None:
+    """Raise LaunchError unless ``version`` is an AKV build of SGLang."""
+    if version is None:
+        raise LaunchError(f"sglang is not installed; build and install the AKV build with: {BUILD_COMMAND}")
+    if not version.endswith(PATCHED_SUFFIX):
+        raise LaunchError(
+            f"the installed sglang {version} is not the AKV build (version must end with {PATCHED_SUFFIX!r}); "
+            f"build and install it with: {BUILD_COMMAND}"
+        )
+
+
+def apply_akv_defaults(argv: list[str]) -> list[str]:
+    """``argv`` plus the AKV defaults it lacks; LaunchError when a flag contradicts AKV."""
+    given: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, sep, value = arg.partition("=")
+        if flag in REQUIRED:
+            if not sep:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise LaunchError(f"{flag}: missing value (AKV needs {REQUIRED[flag]!r})")
+                value = argv[i + 1]
+                i += 1
+            _require(flag, value)
+            given[flag] = value
+        i += 1
+    missing = [item for flag, value in AKV_DEFAULTS.items() if flag not in given for item in (flag, value)]
+    return list(argv) + missing
+
+
+def _require(flag: str, value: Any) -> None:
+    if str(value) != REQUIRED[flag]:
+        raise LaunchError(
+            f"{flag} {value!r} conflicts with AKV: drop/reposition need {flag} {REQUIRED[flag]} "
+            "(leave the flag out to get it)"
+        )
+
+
+def check_server_args(server_args: Any) -> None:
+    """Check SGLang's parsed arguments (catches abbreviated flags and ``--config`` files)."""
+    for flag, field in _SERVER_ARGS_FIELDS.items():
+        value = getattr(server_args, field)
+        if value is None and flag not in AKV_DEFAULTS:
+            continue
+        _require(flag, value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        check_patched(installed_sglang_version())
+        args = apply_akv_defaults(args)
+    except LaunchError as exc:
+        print(f"akv.system.launch_server: {exc}", file=sys.stderr)
+        return 2
+
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    server_args = prepare_server_args(args)
+    try:
+        check_server_args(server_args)
+    except LaunchError as exc:
+        print(f"akv.system.launch_server: {exc}", file=sys.stderr)
+        return 2
+
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Flag handling and the patched-build check of ``python -m akv.system.launch_server``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from akv.system import launch_server as ls
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_added_and_other_flags_pass_through_in_order() -> None:
+    argv = ["--model-path", "/m", "--port", "30001", "--tool-call-parser", "qwen"]
+    assert ls.apply_akv_defaults(argv) == argv + ["--page-size", "1", "--attention-backend", "triton"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--page-size", "1", "--attention-backend", "triton"],
+        ["--page-size=1", "--attention-backend=triton"],
+        ["--attention-backend", "triton", "--decode-attention-backend", "triton", "--page-size", "1"],
+    ],
+)
+def test_agreeing_flags_are_kept_once(argv: list[str]) -> None:
+    out = ls.apply_akv_defaults(["--model-path", "/m", *argv])
+    assert out == ["--model-path", "/m", *argv]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "value"),
+    [
+        (["--page-size", "16"], "--page-size", "16"),
+        (["--page-size=64"], "--page-size", "64"),
+        (["--attention-backend", "flashinfer"], "--attention-backend", "flashinfer"),
+        (["--attention-backend=fa3"], "--attention-backend", "fa3"),
+        (["--prefill-attention-backend", "fa3"], "--prefill-attention-backend", "fa3"),
+        (["--decode-attention-backend", "flashinfer"], "--decode-attention-backend", "flashinfer"),
+        (["--page-size", "1", "--page-size", "4"], "--page-size", "4"),
+    ],
+)
+def test_conflicting_flags_are_refused_naming_flag_and_value(argv: list[str], flag: str, value: str) -> None:
+    with pytest.raises(ls.LaunchError) as info:
+        ls.apply_akv_defaults(["--model-path", "/m", *argv])
+    assert f"{flag} '{value}' conflicts with AKV" in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [["--page-size"], ["--attention-backend", "--port", "1"]])
+def test_flag_without_value_is_refused(argv: list[str]) -> None:
+    with pytest.raises(ls.LaunchError, match="missing value"):
+        ls.apply_akv_defaults(argv)
+
+
+def test_parsed_server_args_are_checked_too() -> None:
+    ok = SimpleNamespace(page_size=1, attention_backend="triton", prefill_attention_backend=None,
+                         decode_attention_backend="triton")
+    ls.check_server_args(ok)
+    for field, value, flag in [
+        ("page_size", 4, "--page-size"),
+        ("attention_backend", "fa3", "--attention-backend"),
+        ("attention_backend", None, "--attention-backend"),
+        ("prefill_attention_backend", "flashinfer", "--prefill-attention-backend"),
+    ]:
+        bad = SimpleNamespace(**{**vars(ok), field: value})
+        with pytest.raises(ls.LaunchError, match=f"{flag} {value!r} conflicts"):
+            ls.check_server_args(bad)
+
+
+@pytest.mark.parametrize(
+    ("version", "message"),
+    [(None, "sglang is not installed"), ("0.5.16", "sglang 0.5.16 is not the AKV build")],
+)
+def test_unpatched_sglang_is_refused_with_the_build_command(version: str | None, message: str) -> None:
+    with pytest.raises(ls.LaunchError) as info:
+        ls.check_patched(version)
+    assert message in str(info.value) and ls.BUILD_COMMAND in str(info.value)
+    ls.check_patched("0.5.16+akv")
+
+
+def test_version_is_read_from_the_package_without_importing_it(tmp_path: Path) -> None:
+    pkg = tmp_path / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (pkg / "_version.py").write_text("__version__ = version = '0.5.16+akv'\n__version_tuple__ = (0, 5, 16)\n")
+    script = "from akv.system.launch_server import installed_sglang_version as v; print(v())"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    assert done.stdout.strip() == "0.5.16+akv", done.stderr
+
+
+def test_cli_exits_with_message_when_sglang_is_stock(tmp_path: Path) -> None:
+    pkg = tmp_path / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_version.py").write_text("__version__ = version = '0.5.16'\n")
+    done = subprocess.run([sys.executable, "-m", "akv.system.launch_server", "--model-path", "/m"],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2
+    assert "not the AKV build" in done.stderr and ls.BUILD_COMMAND in done.stderr
