@@ -103,7 +103,7 @@ class Engine:
         finish = "length"
         try:
             logits = execute_plan(self.model, plan, program, self.k_pool, self.v_pool)
-            terminal_slots = torch.as_tensor(plan.terminal.slots, dtype=torch.int64)
+            terminal_slots = torch.tensor(plan.terminal.slots, dtype=torch.int64)
             while True:
                 step = self._step(logits, sampler)
                 ids.append(step.chosen.token_id)

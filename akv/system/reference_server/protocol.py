@@ -39,7 +39,8 @@ class RequestError(ValueError):
     def __init__(self, field: str, value: Any, problem: str) -> None:
         self.field = field
         self.value = value
-        super().__init__(f"{field}: {problem}")
+        shown = repr(value)
+        super().__init__(f"{field}: {problem}" if shown in problem else f"{field}: {problem} (got {shown})")
 
 
 @dataclass(frozen=True)

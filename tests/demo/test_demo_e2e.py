@@ -1,0 +1,127 @@
+"""The demo runs end to end against the reference server with a tiny random model (--scripted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from akv.system.models.tiny import make_tiny_model
+from akv.system.reference_server import Engine, ReferenceServer
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from akv_demo.harness import DemoConfig, DemoResult, run_demo  # noqa: E402
+from akv_demo.records import ShipmentChain  # noqa: E402
+
+STEP_FILES = ("payload_before", "payload_after", "history", "reply", "usage", "action")
+CHAIN = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("demo-model") / "tiny", seed=11)
+
+
+@pytest.fixture(scope="module")
+def server_url(model_dir: Path) -> Iterator[str]:
+    server = ReferenceServer(Engine(model_dir, name="tiny", kv_slots=16384))
+    server.start_in_background()
+    try:
+        yield server.url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run(server_url: str, output: Path, policy: str) -> tuple[DemoResult, list[str]]:
+    lines: list[str] = []
+    config = DemoConfig(base_url=server_url, model="tiny", output=output, policy=policy, scripted=True,
+                        steps=CHAIN, manifest_lines=5, max_tokens=6)
+    return run_demo(config, log=lines.append), lines
+
+
+def load(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("policy", ["turn", "token", "model"])
+def test_scripted_demo_follows_the_chain_and_the_cache_ops_take_effect(server_url: str, tmp_path: Path,
+                                                                       policy: str) -> None:
+    out = tmp_path / "run"
+    result, lines = run(server_url, out, policy)
+    chain = ShipmentChain.generate(CHAIN, manifest_lines=5, seed=7)
+
+    # The chain was followed to its end: every record in order, then the final answer.
+    assert result.chain_completed
+    assert result.records_read == chain.ids
+    assert chain.final_location in (result.final_answer or "")
+    steps = sorted((out / "steps").iterdir())
+    assert len(steps) == len(result.records) == CHAIN + 1
+    last_record = [m for m in load(steps[-1] / "payload_before.json")["messages"]
+                   if m["role"] == "tool" and "FINAL DESTINATION" in m["content"]]
+    assert len(last_record) == 1 and chain.final_location in last_record[0]["content"]
+
+    # Drops and repositions were sent, and the server reported them back in usage.
+    sent = [load(step / "payload_after.json") for step in steps]
+    assert any(p.get("drop_message") for p in sent) and any(p.get("reposition") for p in sent)
+    usages = [load(step / "usage.json") for step in steps]
+    assert any(u["prompt_tokens_details"]["drop_skipped_tokens"] > 0 for u in usages)
+    assert any(u["prompt_tokens_details"]["repos_tokens"] > 0 for u in usages)
+    assert any(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usages)
+
+    for step, payload in zip(steps, sent):
+        before = load(step / "payload_before.json")
+        assert "drop_message" not in before and "reposition" not in before
+        assert payload["messages"] == before["messages"], "the policy must never edit messages"
+        reply = load(step / "reply.json")
+        assert reply["message"]["role"] == "assistant" and isinstance(reply["message"]["content"], str)
+        assert reply["finish_reason"] in ("stop", "length")
+        assert load(step / "usage.json")["completion_tokens"] >= 1
+    assert [line.startswith(f"[step {i + 1:2d}]") for i, line in enumerate(lines[1:CHAIN + 2])] == [True] * (CHAIN + 1)
+
+
+def test_artifacts_are_complete_and_valid(server_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result, _ = run(server_url, out, "turn")
+    run_info = load(out / "run.json")
+    assert run_info["policy"] == "turn" and run_info["scripted"] is True
+    for step in sorted((out / "steps").iterdir()):
+        for name in STEP_FILES:
+            load(step / f"{name}.json")
+        trace = step / "trace"
+        assert trace.is_dir() and any(trace.iterdir()), f"{trace} holds no call trace"
+    summary = load(out / "summary.json")
+    assert summary["chain_completed"] is True
+    assert [s["step"] for s in summary["steps"]] == list(range(1, CHAIN + 2))
+    for row in summary["steps"]:
+        usage = load(out / "steps" / f"{row['step']:02d}" / "usage.json")
+        assert row["prompt_tokens"] == usage["prompt_tokens"]
+        assert row["drop_skipped_tokens"] == usage["prompt_tokens_details"]["drop_skipped_tokens"]
+    assert summary["totals"]["prompt_tokens"] == sum(r.prompt_tokens for r in result.records)
+    table = (out / "summary.txt").read_text().splitlines()
+    assert len(table) == 2 + (CHAIN + 1) + 2
+    svg = ET.parse(out / "plot.svg").getroot()
+    assert svg.tag.endswith("svg")
+    assert len([e for e in svg.iter() if e.tag.endswith("rect")]) > CHAIN + 1
+
+
+def test_cli_with_embedded_server(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    command = [sys.executable, str(ROOT / "examples" / "demo.py"), "--model-path", str(model_dir),
+               "--output", str(out), "--scripted", "--steps", "2", "--manifest-lines", "3", "--max-tokens", "3"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "chain completed: True" in done.stdout
+    assert load(out / "summary.json")["chain_completed"] is True
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 2 and "not empty" in again.stderr

@@ -1,0 +1,125 @@
+"""Bad requests get HTTP 400 naming the field and value; the server keeps serving, its cache untouched."""
+
+from __future__ import annotations
+
+import copy
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from akv.agent.errors import ContextLengthError
+from akv.agent.transport import send_chat_request
+
+MODEL = "tiny-test"
+CALL = {"id": "c1", "type": "function", "function": {"name": "read_record", "arguments": '{"record_id": "A"}'}}
+MESSAGES = [
+    {"role": "user", "content": "Follow the records."},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "record A says go to B"},
+]
+
+
+def good_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": copy.deepcopy(MESSAGES), "max_tokens": 6, **extra}
+
+
+def post(url: str, body: Any, *, raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(url + "/v1/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(url: str, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url + path, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _with(path: list[Any], value: Any) -> dict[str, Any]:
+    body = good_body()
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return body
+
+
+BAD_REQUESTS = [
+    ("unknown field", good_body(drop_messages={"2": [2]}), "drop_messages", "drop_messages"),
+    ("wrong model", good_body(model="gpt-4o"), "model", "gpt-4o"),
+    ("no messages", _with(["messages"], []), "messages", "non-empty"),
+    ("bad role", _with(["messages", 0, "role"], "robot"), "messages[0].role", "robot"),
+    ("args not json", _with(["messages", 1, "tool_calls", 0, "function", "arguments"], "{oops"),
+     "messages[1].tool_calls[0].function.arguments", "{oops"),
+    ("drop id out of range", good_body(drop_message={"2": [7]}), "drop_message['2'][0]", "7"),
+    ("anchor out of range", good_body(drop_message={"5": [1]}), "drop_message['5']", "5"),
+    ("future drop", good_body(drop_message={"1": [2]}), "drop_message['1'][0]", "after its anchor"),
+    ("double drop", good_body(drop_message={"1": [1], "2": [1]}), "drop_message['2'][0]", "already dropped"),
+    ("drop ids not ints", good_body(drop_message={"2": ["1"]}), "drop_message['2'][0]", "'1'"),
+    ("reposition not increasing", good_body(reposition=[2, 1]), "reposition[1]", "not greater"),
+    ("reposition out of range", good_body(reposition=[3]), "reposition[0]", "3"),
+    ("drop_rule", good_body(drop_rule={"type": "message_drop"}), "drop_rule", "not supported"),
+    ("max_tokens zero", good_body(max_tokens=0), "max_tokens", "0"),
+    ("temperature", good_body(temperature=-1), "temperature", "-1"),
+    ("top_logprobs alone", good_body(top_logprobs=3), "top_logprobs", "logprobs"),
+    ("n > 1", good_body(n=2), "n", "2"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "field", "mentions"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_is_400_naming_the_field(served: Any, case: str, body: dict[str, Any], field: str,
+                                             mentions: str) -> None:
+    status, reply = post(served.url, body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == field
+    assert reply["error"]["message"].startswith(field + ":")
+    assert mentions in reply["error"]["message"]
+
+
+def test_malformed_bodies_are_400(served: Any) -> None:
+    status, reply = post(served.url, None, raw=b"{not json")
+    assert (status, reply["error"]["param"]) == (400, "body")
+    status, reply = post(served.url, ["a", "list"])
+    assert (status, reply["error"]["param"]) == (400, "body")
+
+
+def test_bad_requests_do_not_disturb_the_server_or_its_cache(served: Any) -> None:
+    body = good_body(drop_message={"2": [1]}, reposition=[2], logprobs=True)
+    first_status, first = post(served.url, body)
+    assert first_status == 200
+    for _, bad, _, _ in BAD_REQUESTS:
+        assert post(served.url, bad)[0] == 400
+    status, again = post(served.url, body)
+    assert status == 200
+    ids = [entry["token_id"] for entry in again["choices"][0]["logprobs"]["content"]]
+    assert ids == [entry["token_id"] for entry in first["choices"][0]["logprobs"]["content"]]
+    # The identical request now finds its whole prompt resident except the last token, which always runs.
+    prompt = again["usage"]["prompt_tokens"]
+    details = again["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] + details["repos_tokens"] + details["drop_skipped_tokens"] == prompt - 1
+
+
+def test_context_length_error_reaches_the_client_as_such(served: Any) -> None:
+    body = good_body(stream=True)
+    body["messages"][0]["content"] = "many words " * 6000
+    with pytest.raises(ContextLengthError) as info:
+        send_chat_request(served.url, body, timeout=60)
+    assert info.value.status == 400
+
+
+def test_health_models_and_unknown_routes(served: Any) -> None:
+    assert get(served.url, "/health") == (200, {"status": "ok"})
+    status, models = get(served.url, "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    status, reply = get(served.url, "/v2/nothing")
+    assert status == 404 and "/v2/nothing" in reply["error"]["message"]
