@@ -9,19 +9,23 @@ from akv.agent.errors import (AKVError, BackendError, ConfigError, ContextLength
                               HTTPStatusError, IncompleteStreamError, PayloadError, RuleError, StreamError,
                               TokenCountError, TransportError)
 from akv.agent.history import CacheOperation, CacheOperationHistory
+from akv.agent.openai import extra_body
 from akv.agent.policy import CachePolicy
 from akv.agent.protection import Protection
 from akv.agent.receipts import ModelRequest
 from akv.agent.reposition import ModelReposition, TokenReposition, TurnReposition
+from akv.agent.results import GenerationResult, Timings, ToolCall, Usage
 from akv.agent.selectors import ModelSelection, TokenSelection, TurnSelection
 from akv.agent.tool import DropContextTool
+from akv.agent.transport import send_chat_request
 from akv.agent.triggers import ModelTrigger, TokenTrigger, TurnTrigger
 
 __all__ = [
     "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
-    "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "HistoryError",
-    "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest", "ModelSelection",
-    "ModelTrigger", "PayloadError", "Protection", "RuleError", "StreamError", "TokenCountError",
-    "TokenCounter", "TokenLayout", "TokenReposition", "TokenSelection", "TokenTrigger", "TransportError",
-    "TurnReposition", "TurnSelection", "TurnTrigger",
+    "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
+    "HistoryError", "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest",
+    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RuleError", "StreamError", "Timings",
+    "TokenCountError", "TokenCounter", "TokenLayout", "TokenReposition", "TokenSelection", "TokenTrigger",
+    "ToolCall", "TransportError", "TurnReposition", "TurnSelection", "TurnTrigger", "Usage", "extra_body",
+    "send_chat_request",
 ]
