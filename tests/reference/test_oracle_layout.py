@@ -54,3 +54,11 @@ def test_bad_events_name_the_event(events: list, message: str) -> None:
 def test_unknown_event_type_is_rejected() -> None:
     with pytest.raises(TypeError, match=r"events\[0\] must be Drop or Repos, got tuple"):
         simulate_layout(5, [(1, 2)])  # type: ignore[list-item]
+
+
+def test_numpy_integers_are_accepted_as_plain_ints() -> None:
+    import numpy as np
+
+    layout = simulate_layout(3, [Drop(np.int64(2), (np.int64(0),)), Repos(np.int32(2))])
+    assert layout.final_position.tolist() == [-1, 0, 1]
+    assert layout.birth_position.tolist() == [0, 1, 1]

@@ -71,8 +71,7 @@ class ModelConfig:
         num_kv_heads = _positive_int(raw, "num_key_value_heads") if "num_key_value_heads" in raw else num_heads
         if num_heads % num_kv_heads:
             raise ConfigError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
-        head_dim = raw.get("head_dim") if arch != "qwen2" else None
-        head_dim = hidden // num_heads if head_dim is None else _positive_int(raw, "head_dim")
+        head_dim = hidden // num_heads if raw.get("head_dim") is None else _positive_int(raw, "head_dim")
         return cls(
             arch=arch,
             vocab_size=_positive_int(raw, "vocab_size"),

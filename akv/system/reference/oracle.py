@@ -20,6 +20,7 @@ Nothing here reads the compiler's positions: ``run_program`` uses only a program
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,6 +96,13 @@ class OracleResult:
         """Keys of every token of ``layer`` rotated to ``positions[n]`` (as a cache would store them)."""
         return model.rotate(self.raw_k[layer], positions)
 
+    def final_kv(self, model: ReferenceModel, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a cache must hold for ``layer`` after the last event: the kept tokens, their keys
+        rotated to their final positions, and their values."""
+        kept = self.layout.keep.nonzero().flatten()
+        keys = model.rotate(self.raw_k[layer][kept], self.layout.final_position[kept])
+        return kept, keys, self.v[layer][kept]
+
 
 def simulate_layout(n_tokens: int, events: Sequence[OracleEvent]) -> Layout:
     """Walk the tokens one by one, applying each event when its ``at`` is reached."""
@@ -105,7 +113,8 @@ def simulate_layout(n_tokens: int, events: Sequence[OracleEvent]) -> Layout:
     visible_until = [n_tokens] * n_tokens
     snapshots: list[list[int]] = []
     next_position = 0
-    pending = list(events)
+    pending = [Drop(int(e.at), tuple(int(t) for t in e.tokens)) if isinstance(e, Drop) else Repos(int(e.at))
+               for e in events]
     for t in range(n_tokens + 1):
         while pending and pending[0].at == t:
             event = pending.pop(0)
@@ -141,19 +150,23 @@ def _int64(values: list[int] | list[list[int]]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_events(n_tokens: int, events: Sequence[OracleEvent]) -> None:
     previous = 0
     for index, event in enumerate(events):
         if not isinstance(event, (Drop, Repos)):
             raise TypeError(f"events[{index}] must be Drop or Repos, got {type(event).__name__}")
-        if isinstance(event.at, bool) or not isinstance(event.at, int) or not 0 <= event.at <= n_tokens:
+        if not _is_int(event.at) or not 0 <= event.at <= n_tokens:
             raise ValueError(f"events[{index}].at must be an int in [0, {n_tokens}], got {event.at!r}")
         if event.at < previous:
             raise ValueError(f"events[{index}].at must not decrease, got {event.at} after {previous}")
         previous = event.at
         if isinstance(event, Drop):
             for token in event.tokens:
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < event.at:
+                if not _is_int(token) or not 0 <= token < event.at:
                     raise ValueError(f"events[{index}].tokens must be ints in [0, {event.at}), got {token!r}")
 
 
