@@ -100,26 +100,30 @@ def _check_owners(owners: np.ndarray, n_messages: int) -> None:
 
 
 def _events(owners: np.ndarray, rules: ContextRules) -> tuple[Event, ...]:
-    """Events in stream order; ``rules`` keeps anchors sorted, so merging by anchor suffices."""
+    """Events in stream order; ``rules`` keeps anchors sorted, so grouping by anchor suffices."""
+    anchors = [d.anchor for d in rules.drops] + list(rules.repositions)
+    ats = np.searchsorted(owners, np.asarray(anchors, dtype=np.int64), side="right").tolist()
+    flat = np.asarray([m for d in rules.drops for m in d.messages], dtype=np.int64)
+    starts = np.searchsorted(owners, flat, side="left").tolist()
+    ends = np.searchsorted(owners, flat, side="right").tolist()
     by_anchor: dict[int, list[Event]] = {}
-    for drop in rules.drops:
-        msgs = np.asarray(drop.messages, dtype=np.int64)
-        starts = np.searchsorted(owners, msgs, side="left")
-        ends = np.searchsorted(owners, msgs, side="right")
-        at = int(np.searchsorted(owners, drop.anchor, side="right"))
-        event = Event(EventKind.DROP, at, drop.anchor, drop.messages, _merge_ranges(starts, ends))
-        by_anchor.setdefault(drop.anchor, []).append(event)
-    for anchor in rules.repositions:
-        at = int(np.searchsorted(owners, anchor, side="right"))
-        by_anchor.setdefault(anchor, []).append(Event(EventKind.REPOS, at, anchor))
+    k = 0
+    for i, drop in enumerate(rules.drops):
+        n = len(drop.messages)
+        ranges = _merge_ranges(starts[k : k + n], ends[k : k + n])
+        k += n
+        by_anchor.setdefault(drop.anchor, []).append(Event(EventKind.DROP, ats[i], drop.anchor, drop.messages, ranges))
+    for j, anchor in enumerate(rules.repositions, start=len(rules.drops)):
+        by_anchor.setdefault(anchor, []).append(Event(EventKind.REPOS, ats[j], anchor))
     return tuple(e for anchor in sorted(by_anchor) for e in by_anchor[anchor])
 
 
-def _merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[tuple[int, int], ...]:
+def _merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, int], ...]:
     """Sorted, non-empty, non-touching half-open ranges covering the messages' tokens."""
-    order = np.argsort(starts, kind="stable")
+    if len(starts) == 1:
+        return ((starts[0], ends[0]),) if starts[0] < ends[0] else ()
     merged: list[list[int]] = []
-    for s, e in zip(starts[order].tolist(), ends[order].tolist()):
+    for s, e in sorted(zip(starts, ends)):
         if s == e:
             continue
         if merged and merged[-1][1] == s:
@@ -130,43 +134,43 @@ def _merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[tuple[int, int]
 
 
 def _lay_out(ids: np.ndarray, owners: np.ndarray, n_messages: int, events: tuple[Event, ...]) -> ContextProgram:
+    """Walk the events once. Drops never move the next position, so births between two Repos
+    form one contiguous run; only a Repos needs the current positions of earlier tokens."""
     n = ids.shape[0]
-    hidden_by = np.full(n, _ALIVE, dtype=np.int64)
+    hidden_by = _hidden_by(n, events)
     birth_position = np.empty(n, dtype=np.int64)
-    birth_stage = np.empty(n, dtype=np.int64)
     position = np.empty(n, dtype=np.int64)
     transitions: list[Transition] = []
-    next_position = 0
-    born = 0
+    run_start = 0
+    run_base = 0
     first_gap = n
-    for stage, event in enumerate(events + (None,)):
-        upto = n if event is None else event.at
-        fresh = np.arange(next_position, next_position + upto - born, dtype=np.int64)
-        birth_position[born:upto] = fresh
-        position[born:upto] = fresh
-        birth_stage[born:upto] = stage
-        next_position += upto - born
-        born = upto
-        if event is None:
-            break
+    for stage, event in enumerate(events):
         if event.kind is EventKind.DROP:
-            for start, end in event.ranges:
-                hidden_by[start:end] = stage
-                first_gap = min(first_gap, start)
+            if event.ranges:
+                first_gap = min(first_gap, event.ranges[0][0])
             continue
+        born = event.at
+        birth_position[run_start:born] = np.arange(run_base, run_base + born - run_start)
+        position[run_start:born] = birth_position[run_start:born]
         tokens = np.zeros(0, dtype=np.int64)
         old = new = tokens
         if first_gap < born:
             gap_position = int(position[first_gap])
-            tokens = first_gap + np.flatnonzero(hidden_by[first_gap:born] == _ALIVE)
+            tokens = first_gap + np.flatnonzero(hidden_by[first_gap:born] > stage)
             old = position[tokens]
             new = np.arange(gap_position, gap_position + tokens.size, dtype=np.int64)
             position[tokens] = new
-            next_position = gap_position + tokens.size
+            run_base = gap_position + tokens.size
             first_gap = n
+        else:
+            run_base += born - run_start
+        run_start = born
         transitions.append(Transition(stage, _frozen(tokens), _frozen(old), _frozen(new)))
-    keep = hidden_by == _ALIVE
+    birth_position[run_start:] = np.arange(run_base, run_base + n - run_start)
+    position[run_start:] = birth_position[run_start:]
     at = np.array([e.at for e in events] + [n], dtype=np.int64)
+    birth_stage = np.repeat(np.arange(len(events) + 1, dtype=np.int64), np.diff(at, prepend=0))
+    keep = hidden_by == _ALIVE
     return ContextProgram(
         token_ids=_frozen(ids),
         owners=_frozen(owners),
@@ -179,8 +183,21 @@ def _lay_out(ids: np.ndarray, owners: np.ndarray, n_messages: int, events: tuple
         keep=_frozen(keep),
         visible_until=_frozen(at[np.minimum(hidden_by, len(events))]),
         transitions=tuple(transitions),
-        next_position=next_position,
+        next_position=run_base + n - run_start,
     )
+
+
+def _hidden_by(n: int, events: tuple[Event, ...]) -> np.ndarray:
+    """Index of the Drop event hiding each token (``_ALIVE`` if none); drop ranges are disjoint."""
+    spans = [(i, s, e) for i, event in enumerate(events) for s, e in event.ranges]
+    hidden_by = np.full(n, _ALIVE, dtype=np.int64)
+    if spans:
+        index, starts, ends = (np.asarray(col, dtype=np.int64) for col in zip(*spans))
+        lengths = ends - starts
+        first = np.cumsum(lengths) - lengths
+        tokens = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - first, lengths)
+        hidden_by[tokens] = np.repeat(index, lengths)
+    return hidden_by
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:

@@ -1,0 +1,126 @@
+"""Benchmark the context compiler and wire form on 200k-token agent-shaped prompts (CPU).
+
+Run: ``python bench/compiler.py --out bench/results/compiler.json``. Scenarios, side by side:
+``plain`` (no operations), ``agent`` (rolling drop of old tool results + periodic reposition),
+``dense`` (every other message drops the one halfway back, then repositions: each Repos moves about
+half the prompt, so its cost is the size of the transitions it must produce; fewer messages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from akv.system.context.compiler import append_generated, compile_program  # noqa: E402
+from akv.system.context.rules import parse_rules  # noqa: E402
+from akv.system.context.wire import decode_program, encode_program  # noqa: E402
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
+    """Median wall and CPU time in ms over ``repeats`` runs, and the last result."""
+    wall, cpu = [], []
+    result = None
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        result = fn()
+        wall.append((time.perf_counter() - start) * 1e3)
+        cpu.append((time.process_time() - start_cpu) * 1e3)
+    return statistics.median(wall), statistics.median(cpu), result
+
+
+def _conversation(n_tokens: int, n_messages: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, n_tokens - 8), size=n_messages - 1, replace=False))
+    sizes = np.diff(np.concatenate([[0], cuts, [n_tokens - 8]]))
+    owners = np.repeat(np.arange(n_messages), sizes)
+    owners = np.concatenate([owners, np.full(8, n_messages)])
+    return rng.integers(0, 151_000, n_tokens), owners
+
+
+def _agent_fields(n_messages: int, keep: int, repos_every: int) -> tuple[dict[str, list[int]], list[int]]:
+    """Tool results are the odd messages; each new one drops the result ``keep`` results back."""
+    tools = list(range(1, n_messages, 2))
+    drops = {str(tools[i + keep]): [tools[i]] for i in range(len(tools) - keep)}
+    repos = [tools[i] for i in range(keep, len(tools), repos_every)]
+    return drops, repos
+
+
+def _dense_fields(n_messages: int) -> tuple[dict[str, list[int]], list[int]]:
+    """Every anchor drops the message halfway back, then repositions: every repos moves half the prompt."""
+    drops: dict[str, list[int]] = {}
+    for anchor in range(2, n_messages, 2):
+        drops[str(anchor)] = [anchor // 2]
+    return drops, [int(k) for k in drops]
+
+
+def run(n_tokens: int, n_messages: int, dense_messages: int, repeats: int) -> dict[str, Any]:
+    scenarios = {
+        "plain": (n_messages, None, None),
+        "agent": (n_messages, *_agent_fields(n_messages, keep=8, repos_every=10)),
+        "dense": (dense_messages, *_dense_fields(dense_messages)),
+    }
+    results: dict[str, Any] = {}
+    for name, (n_messages, drop_message, reposition) in scenarios.items():
+        token_ids, owners = _conversation(n_tokens, n_messages, seed=0)
+        parse_ms, _, rules = _timed(lambda: parse_rules(drop_message, reposition, n_messages), repeats)
+        compile_ms, compile_cpu_ms, program = _timed(lambda: compile_program(token_ids, owners, rules, n_messages), repeats)
+        encode_ms, _, data = _timed(lambda: encode_program(program), repeats)
+        decode_ms, _, _ = _timed(lambda: decode_program(data), repeats)
+        append_ms, _, _ = _timed(lambda: append_generated(program, [1]), repeats)
+        results[name] = {
+            "messages": n_messages,
+            "events": len(program.events),
+            "repositions": len(program.transitions),
+            "moved_tokens": int(sum(t.tokens.size for t in program.transitions)),
+            "parse_ms": round(parse_ms, 3),
+            "compile_ms": round(compile_ms, 3),
+            "compile_cpu_ms": round(compile_cpu_ms, 3),
+            "encode_ms": round(encode_ms, 3),
+            "decode_ms": round(decode_ms, 3),
+            "append_1_token_ms": round(append_ms, 3),
+            "wire_bytes": len(data),
+        }
+    base = results["plain"]["compile_ms"]
+    for name in results:
+        results[name]["compile_vs_plain"] = round(results[name]["compile_ms"] / base, 2)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=200_000)
+    parser.add_argument("--messages", type=int, default=4_000)
+    parser.add_argument("--dense-messages", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    report = {
+        "command": "python " + " ".join(sys.argv),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", python {platform.python_version()}, numpy {np.__version__}",
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "statistic": "median ms (wall unless named cpu)",
+        "load_average_before": [round(x, 2) for x in os.getloadavg()],
+        "scenarios": run(args.tokens, args.messages, args.dense_messages, args.repeats),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
