@@ -16,6 +16,8 @@ from akv.system.kernels.kv_indices import KeepMask, decode_kv_indices, extend_kv
 import sglang_attention_loader
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 2, 4, 32
+# fp32 everywhere; on CUDA the kernels' tl.dot runs in TF32, hence the looser bound there.
+TOLERANCE = {"atol": 1e-2, "rtol": 1e-2} if torch.cuda.is_available() else {"atol": 2e-5, "rtol": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def test_decode_attention_reads_only_visible_slots(sglang, device):
         cols = [c for c in range(n) if keep[row, c] or c == n - 1]
         slots = req_to_token[row, cols].long()
         expected = dense_attention(q[i : i + 1], k_pool.cpu()[slots], v_pool.cpu()[slots])[0]
-        torch.testing.assert_close(out[i].cpu().double(), expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out[i].cpu().double(), expected, **TOLERANCE)
 
 
 def test_extend_attention_segments_see_their_own_stage(sglang, device):
@@ -125,5 +127,5 @@ def test_extend_attention_segments_see_their_own_stage(sglang, device):
         cols = [c for c in range(p) if keep[i, c]] + list(range(p, p + e))
         slots = req_to_token[0, cols].long()
         expected = dense_attention(q[start : start + e], k_pool.cpu()[slots], v_pool.cpu()[slots], causal_from=len(cols) - e)
-        torch.testing.assert_close(out[start : start + e].cpu().double(), expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(out[start : start + e].cpu().double(), expected, **TOLERANCE)
         start += e
