@@ -11,7 +11,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from akv.system.context.compiler import compile_program
 from akv.system.context.program import EventKind
-from akv.system.context.provenance import ChatTemplate, OwnedText, ProvenanceError, token_provenance
+from akv.system.context.provenance import ChatTemplate, OwnedText, ProvenanceError, prompt_provenance, token_provenance
 from akv.system.context.rules import parse_rules
 
 from .conftest import load_template
@@ -242,3 +242,25 @@ def test_bad_template_and_tokenizer_are_rejected() -> None:
     owned = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}").render_owned([{"content": "a"}])
     with pytest.raises(ProvenanceError, match="tokenizer: object gives no character offsets"):
         token_provenance(owned, object())
+
+
+def test_prompt_provenance_matches_transformers_render_and_encode(smollm2: Any) -> None:
+    prov = prompt_provenance(smollm2, CHAT)
+    text = smollm2.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert prov.text == text
+    assert prov.token_ids.tolist() == smollm2.encode(text, add_special_tokens=False)
+    assert prov.owners[-1] == len(CHAT)
+    llama = prompt_provenance(smollm2, CHAT, template=load_template("llama3.jinja"), bos_token="<|begin_of_text|>")
+    assert llama.text.startswith("<|begin_of_text|><|start_header_id|>user")
+    with pytest.raises(ProvenanceError, match="has no chat template"):
+        prompt_provenance(object(), CHAT)
+
+
+def test_generation_prompt_detection_follows_the_test_expression() -> None:
+    loop = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    one = [{"role": "user", "content": "a"}]
+    guarded = ChatTemplate(loop + "{% if add_generation_prompt is defined and add_generation_prompt %}G{% endif %}")
+    assert guarded.render_owned(one).char_owners.tolist() == [0, 1]
+    negated = ChatTemplate(loop + "{% if not add_generation_prompt %}E{% endif %}")
+    with pytest.raises(ProvenanceError, match=r"character 1 \('E'\) is emitted outside any message loop"):
+        negated.render_owned(one, add_generation_prompt=False)

@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 import jinja2
@@ -170,6 +171,34 @@ def token_provenance(owned: OwnedText, tokenizer: Any) -> TokenProvenance:
     return TokenProvenance(owned.text, ids, offsets, owners, boundary, owned.n_messages)
 
 
+@lru_cache(maxsize=16)
+def chat_template(source: str) -> ChatTemplate:
+    """Compiled template for ``source``, cached (compiling costs far more than rendering)."""
+    return ChatTemplate(source)
+
+
+def prompt_provenance(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+    **variables: Any,
+) -> TokenProvenance:
+    """Render and encode a request the way SGLang does with a transformers fast tokenizer.
+
+    Uses ``template`` or the tokenizer's ``chat_template``; template variables are the tokenizer's
+    special tokens overridden by ``variables`` (e.g. ``chat_template_kwargs``), as transformers does.
+    """
+    source = template if template is not None else getattr(tokenizer, "chat_template", None)
+    if not isinstance(source, str):
+        raise ProvenanceError("chat_template: the tokenizer has no chat template and none was given")
+    context = {**getattr(tokenizer, "special_tokens_map", {}), **variables}
+    owned = chat_template(source).render_owned(messages, tools=tools, add_generation_prompt=add_generation_prompt, **context)
+    return token_provenance(owned, tokenizer)
+
+
 def _identity_index(messages: Sequence[Mapping[str, Any]]) -> dict[int, int]:
     index: dict[int, int] = {}
     for i, message in enumerate(messages):
@@ -213,7 +242,7 @@ class _Instrumenter:
             return
         if isinstance(node, nodes.If):
             self.visit(node.test, scope, reply)
-            gen = reply or _GENERATION_FLAG in _target_names(node.test)
+            gen = reply or _requires_generation(node.test)
             for child in node.body:
                 self.visit(child, scope, gen)
             for child in node.elif_:
@@ -230,6 +259,18 @@ class _Instrumenter:
             child = nodes.Const(child.data)
         candidates = nodes.Tuple([nodes.Name(name, "load") for name in scope], "load")
         return nodes.Call(nodes.Name(_MARK_FN, "load"), [child, candidates, nodes.Const(reply)], [], None, None)
+
+
+def _requires_generation(test: nodes.Node) -> bool:
+    """True when ``test`` can only hold with ``add_generation_prompt`` set (a bare reference,
+    ``is true``/``is defined`` tests of it, or a conjunction containing one)."""
+    if isinstance(test, nodes.Name):
+        return test.name == _GENERATION_FLAG
+    if isinstance(test, nodes.Test):
+        return test.name in ("true", "defined") and _requires_generation(test.node)
+    if isinstance(test, nodes.And):
+        return _requires_generation(test.left) or _requires_generation(test.right)
+    return False
 
 
 def _target_names(target: nodes.Node) -> tuple[str, ...]:
