@@ -46,7 +46,8 @@ def _config(qwen3_dir: Path) -> dict:
     ("change", "message"),
     [
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling is not supported"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope_parameters must use rope_type 'default'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}},
+         "rope_parameters must use rope_type 'default'"),
         ({"architectures": ["GPT2LMHeadModel"]}, "architectures must be one of"),
         ({"hidden_act": "gelu"}, "hidden_act must be 'silu', got 'gelu'"),
         ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),

@@ -62,7 +62,9 @@ def histories(draw: st.DrawFn) -> tuple[list[int], list[OracleEvent]]:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(history=histories())
-def test_blocked_oracle_equals_token_by_token_definition(qwen3: ReferenceModel, history: tuple[list[int], list[OracleEvent]]) -> None:
+def test_blocked_oracle_equals_token_by_token_definition(
+    qwen3: ReferenceModel, history: tuple[list[int], list[OracleEvent]]
+) -> None:
     ids, events = history
     with torch.no_grad():
         expected = one_token_at_a_time(qwen3, ids, events)

@@ -21,8 +21,9 @@ class SlotServer:
     def __init__(self, model: ReferenceModel, n_slots: int, offset: int = 0):
         cfg = model.config
         self.model, self.offset = model, offset
-        self.k_pool = [torch.full((n_slots, cfg.num_kv_heads, cfg.head_dim), float("nan")) for _ in range(cfg.num_layers)]
-        self.v_pool = [torch.full((n_slots, cfg.num_kv_heads, cfg.head_dim), float("nan")) for _ in range(cfg.num_layers)]
+        shape = (n_slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k_pool = [torch.full(shape, float("nan")) for _ in range(cfg.num_layers)]
+        self.v_pool = [torch.full(shape, float("nan")) for _ in range(cfg.num_layers)]
         self.position: dict[int, int] = {}
         self.next_position = 0
         self.n_appended = 0
@@ -59,7 +60,9 @@ class SlotServer:
         self.next_position = len(tokens)
 
 
-def serve(model: ReferenceModel, ids: list[int], events: list[OracleEvent], chunks: list[int]) -> tuple[torch.Tensor, SlotServer]:
+def serve(
+    model: ReferenceModel, ids: list[int], events: list[OracleEvent], chunks: list[int]
+) -> tuple[torch.Tensor, SlotServer]:
     """Append ``ids`` in chunks of the given sizes (cut at event boundaries), applying events in order."""
     server = SlotServer(model, len(ids))
     logits, remaining, sizes = [], list(events), list(chunks)

@@ -21,7 +21,8 @@ def _complex_rotation(x: torch.Tensor, positions: torch.Tensor, theta: float) ->
         for i in range(half):
             frequency = torch.tensor(theta ** (-2 * i / x.shape[-1]), dtype=torch.float32).item()
             angle = positions[t].item() * frequency
-            z = torch.complex(x[t, ..., i].double(), x[t, ..., i + half].double()) * complex(math.cos(angle), math.sin(angle))
+            z = torch.complex(x[t, ..., i].double(), x[t, ..., i + half].double())
+            z = z * complex(math.cos(angle), math.sin(angle))
             out[t, ..., i], out[t, ..., i + half] = z.real, z.imag
     return out
 

@@ -64,7 +64,8 @@ def requests(draw: st.DrawFn) -> tuple[list[int], dict[str, list[int]], list[int
 @given(request=requests())
 def test_compiler_layout_equals_oracle_layout(request: tuple) -> None:
     owners, drop_message, reposition, n_messages = request
-    program = compile_program(list(range(len(owners))), owners, parse_rules(drop_message, reposition, n_messages), n_messages)
+    rules = parse_rules(drop_message, reposition, n_messages)
+    program = compile_program(list(range(len(owners))), owners, rules, n_messages)
     layout = simulate_layout(program.n_tokens, program_events(program))
     assert program.birth_position.tolist() == layout.birth_position.tolist()
     assert program.birth_stage.tolist() == layout.birth_stage.tolist()

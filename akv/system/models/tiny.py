@@ -348,7 +348,8 @@ def _write_weights(path: Path, arch: str, shape: TinyShape, tied: bool, seed: in
     def small(n: int) -> torch.Tensor:
         return 0.1 * torch.randn(n, generator=gen)
 
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": 0.25 * torch.randn(shape.vocab_size, hidden, generator=gen)}
+    embedding = 0.25 * torch.randn(shape.vocab_size, hidden, generator=gen)
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embedding}
     for layer in range(shape.num_hidden_layers):
         prefix = f"model.layers.{layer}."
         tensors[prefix + "input_layernorm.weight"] = around_one(hidden)

@@ -51,7 +51,8 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Validate an HF config dict; unsupported features raise ``ConfigError`` naming the field."""
         architectures = raw.get("architectures")
-        if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        if not (isinstance(architectures, list) and len(architectures) == 1
+                and architectures[0] in SUPPORTED_ARCHITECTURES):
             raise ConfigError(f"architectures must be one of {sorted(SUPPORTED_ARCHITECTURES)}, got {architectures!r}")
         arch = SUPPORTED_ARCHITECTURES[architectures[0]]
         _reject_rope_scaling(raw)
@@ -70,7 +71,8 @@ class ModelConfig:
         hidden = _positive_int(raw, "hidden_size")
         num_kv_heads = _positive_int(raw, "num_key_value_heads") if "num_key_value_heads" in raw else num_heads
         if num_heads % num_kv_heads:
-            raise ConfigError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+            raise ConfigError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({num_kv_heads})")
         head_dim = hidden // num_heads if raw.get("head_dim") is None else _positive_int(raw, "head_dim")
         return cls(
             arch=arch,

@@ -170,7 +170,9 @@ def _check_events(n_tokens: int, events: Sequence[OracleEvent]) -> None:
                     raise ValueError(f"events[{index}].tokens must be ints in [0, {event.at}), got {token!r}")
 
 
-def run_oracle(model: ReferenceModel, token_ids: Sequence[int] | torch.Tensor, events: Sequence[OracleEvent] = ()) -> OracleResult:
+def run_oracle(
+    model: ReferenceModel, token_ids: Sequence[int] | torch.Tensor, events: Sequence[OracleEvent] = ()
+) -> OracleResult:
     """Compute every token's logits, raw keys and values under ``events`` (see the module docstring).
 
     Tokens of one stage are computed as a block: inside a stage no position or visibility changes, so
