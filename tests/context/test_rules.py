@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from akv.system.context.rules import (
     ContextRules,
@@ -115,3 +117,88 @@ def test_direct_construction_checks_invariants(
 ) -> None:
     with pytest.raises(error):
         ContextRules(drops, repositions)
+
+
+def _valid_id(value: object, n: int) -> bool:
+    return type(value) is int and 0 <= value < n
+
+
+def _brute_force_valid(drop_message: object, reposition: object, n: int) -> bool:
+    """The wire contract spelled out directly: which inputs must parse."""
+    if reposition is not None:
+        if not isinstance(reposition, (list, tuple)) or not reposition:
+            return False
+        if not all(_valid_id(r, n) for r in reposition):
+            return False
+        if any(b <= a for a, b in zip(reposition, reposition[1:])):
+            return False
+    if drop_message is None:
+        return True
+    if not isinstance(drop_message, dict):
+        return False
+    anchors: list[int] = []
+    for key in drop_message:
+        if isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0"):
+            anchors.append(int(key))
+        elif type(key) is int:
+            anchors.append(key)
+        else:
+            return False
+    if len(set(anchors)) != len(anchors) or not all(0 <= a < n for a in anchors):
+        return False
+    seen: list[int] = []
+    for anchor, value in zip(anchors, drop_message.values()):
+        if not isinstance(value, (list, tuple)) or not value:
+            return False
+        if not all(type(m) is int and 0 <= m <= anchor for m in value):
+            return False
+        seen.extend(value)
+    return len(set(seen)) == len(seen)
+
+
+_ids = st.one_of(st.integers(-2, 7), st.booleans(), st.floats(0, 3), st.sampled_from(["1", 10**20]))
+_keys = st.one_of(st.integers(-1, 7), st.sampled_from(["0", "1", "2", "3", "5", "01", "-1", "x", " 2", "٣"]))
+_lists = st.one_of(st.lists(_ids, max_size=4), st.tuples(_ids), st.integers(0, 3), st.none())
+
+
+@st.composite
+def _near_valid(draw: st.DrawFn) -> tuple[object, object, int]:
+    """A valid request, then maybe one element swapped for an arbitrary value."""
+    n = draw(st.integers(1, 6))
+    free = list(range(n))
+    drops: dict[object, list[object]] = {}
+    for anchor in draw(st.lists(st.integers(0, n - 1), unique=True, max_size=3)):
+        choices = [m for m in free if m <= anchor]
+        if choices:
+            picked = draw(st.lists(st.sampled_from(choices), min_size=1, max_size=2, unique=True))
+            free = [m for m in free if m not in picked]
+            drops[draw(st.sampled_from([str(anchor), anchor]))] = list(picked)
+    reposition: list[object] | None = sorted(draw(st.sets(st.integers(0, n - 1), max_size=3))) or None
+    if drops and draw(st.booleans()):
+        key = draw(st.sampled_from(list(drops)))
+        drops[key][draw(st.integers(0, len(drops[key]) - 1))] = draw(_ids)
+    if reposition and draw(st.booleans()):
+        reposition[draw(st.integers(0, len(reposition) - 1))] = draw(_ids)
+    return drops or draw(st.sampled_from([None, {}])), reposition, n
+
+
+_garbage = st.tuples(
+    st.one_of(st.none(), st.dictionaries(_keys, _lists, max_size=4), st.lists(st.integers(0, 3), max_size=2)),
+    st.one_of(st.none(), st.lists(_ids, max_size=4), st.just("1")),
+    st.integers(0, 6),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(_garbage, _near_valid()))
+def test_parse_accepts_exactly_the_valid_inputs(case: tuple[object, object, int]) -> None:
+    drop_message, reposition, n = case
+    valid = _brute_force_valid(drop_message, reposition, n)
+    try:
+        rules = parse_rules(drop_message, reposition, n)
+    except RuleError:
+        assert not valid
+        return
+    assert valid
+    assert [d.anchor for d in rules.drops] == sorted(int(k) for k in drop_message or {})
+    assert rules.repositions == tuple(reposition or ())

@@ -2,7 +2,8 @@
 
 An event anchored at message ``b`` applies right after the last token owned by a message ``<= b``;
 at one anchor the Drop comes before the Repos. Work is linear in tokens + events + the size of the
-position transitions produced, with one vectorised numpy step per event.
+position transitions produced: drops are marked in one vectorised pass, and only a Repos costs a
+numpy step (over the tokens after the earliest new gap).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def append_generated(program: ContextProgram, token_ids: Any) -> ContextProgram:
         birth_stage=_frozen(np.concatenate([program.birth_stage, np.full(k, program.n_stages - 1, np.int64)])),
         final_position=_frozen(np.concatenate([program.final_position, positions])),
         keep=_frozen(keep),
-        visible_until=_frozen(visible_until.astype(np.int64)),
+        visible_until=_frozen(visible_until),
         transitions=program.transitions,
         next_position=program.next_position + k,
     )
