@@ -4,6 +4,11 @@ A copy ``(src, dst, old, new)`` reads K of slot ``src`` at every layer, undoes t
 ``old`` and applies the rotation to ``new`` (FP32, two rotations, no angle-difference shortcut),
 and writes the result to slot ``dst``. When ``src != dst`` the non-rotary tail of K and all of V
 are copied too. When ``old == new`` the original bits are written (nothing at all when in place).
+
+cos/sin come from a ``RopeTable``: the reference angles, or SGLang's own ``cos_sin_cache`` so that a
+re-rotated key equals the key the model computes at the new position. The result is rounded once
+to the buffer dtype, so a key re-rotated k times carries k roundings (bf16: ~2^-9 relative each);
+rotating from the original copy where one exists avoids the accumulation.
 """
 
 from __future__ import annotations
