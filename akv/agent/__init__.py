@@ -5,9 +5,20 @@ Read the final chat payload, decide which earlier messages the model should stop
 
 from akv.agent.context import DecisionContext
 from akv.agent.counting import ApproximateTokenCounter, TokenCounter, TokenLayout
-from akv.agent.errors import (AKVError, BackendError, ConfigError, ContextLengthError, HistoryError,
-                              HTTPStatusError, IncompleteStreamError, PayloadError, RuleError, StreamError,
-                              TokenCountError, TransportError)
+from akv.agent.errors import (
+                              AKVError,
+                              BackendError,
+                              ConfigError,
+                              ContextLengthError,
+                              HistoryError,
+                              HTTPStatusError,
+                              IncompleteStreamError,
+                              PayloadError,
+                              RuleError,
+                              StreamError,
+                              TokenCountError,
+                              TransportError,
+)
 from akv.agent.history import CacheOperation, CacheOperationHistory
 from akv.agent.openai import extra_body
 from akv.agent.policy import CachePolicy

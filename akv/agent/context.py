@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import heapq
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from akv.agent.counting import TokenCounter, TokenLayout
@@ -17,6 +18,8 @@ class _CountCache:
     prefix: list[int]
     hidden_seen: int = 0
     hidden_tokens: int = 0
+    compacted_seen: int = 0
+    compacted_tokens: int = 0
 
 
 @dataclass
@@ -32,23 +35,28 @@ class DecisionState:
     hidden: set[int] = field(default_factory=set)
     hidden_order: list[int] = field(default_factory=list)
     compacted_count: int = 0
-    candidates: dict[int, None] = field(default_factory=dict)
+    candidates: dict[str, dict[int, None]] = field(default_factory=dict)
     admitted_until: int = 0
     counts: dict[int, _CountCache] = field(default_factory=dict)
     requests: dict[str, tuple[ModelRequest, ...]] = field(default_factory=dict)
 
     def hide(self, ids: Iterable[int]) -> None:
+        roles = self.conversation.roles
         for i in ids:
             self.hidden.add(i)
             self.hidden_order.append(i)
-            self.candidates.pop(i, None)
+            self.candidates.get(roles[i], {}).pop(i, None)
 
     def admit_until(self, end: int) -> None:
         """Make messages `< end` that are neither hidden nor protected candidates for dropping."""
+        roles = self.conversation.roles
         for i in range(self.admitted_until, end):
             if not self.protected[i] and i not in self.hidden:
-                self.candidates[i] = None
+                self.candidates.setdefault(roles[i], {})[i] = None
         self.admitted_until = max(self.admitted_until, end)
+
+    def is_candidate(self, message_id: int) -> bool:
+        return message_id in self.candidates.get(self.conversation.roles[message_id], ())
 
     def count(self, counter: TokenCounter) -> _CountCache:
         cache = self.counts.get(id(counter))
@@ -61,10 +69,14 @@ class DecisionState:
             prefix = [0]
             prefix.extend(end for _, end in layout.spans)
             cache = self.counts[id(counter)] = _CountCache(layout, prefix)
+        spans = cache.layout.spans
         if cache.hidden_seen < len(self.hidden_order):
-            spans = cache.layout.spans
             cache.hidden_tokens += sum(spans[i][1] - spans[i][0] for i in self.hidden_order[cache.hidden_seen:])
             cache.hidden_seen = len(self.hidden_order)
+        if cache.compacted_seen < self.compacted_count:
+            cache.compacted_tokens += sum(spans[i][1] - spans[i][0]
+                                          for i in self.hidden_order[cache.compacted_seen:self.compacted_count])
+            cache.compacted_seen = self.compacted_count
         return cache
 
 
@@ -105,7 +117,13 @@ class DecisionContext:
     @property
     def candidates(self) -> tuple[int, ...]:
         """Ids that may be dropped now, ascending: before the current turn, not hidden, not protected."""
-        return tuple(self._state.candidates)
+        return tuple(self.droppable())
+
+    def droppable(self, roles: Collection[str] | None = None) -> Iterator[int]:
+        """The `candidates` with one of `roles` (all roles if None), ascending, lazily."""
+        pools = self._state.candidates
+        chosen = [pools[r] for r in (pools if roles is None else roles) if r in pools]
+        return iter(chosen[0]) if len(chosen) == 1 else heapq.merge(*chosen)
 
     def role(self, message_id: int) -> str:
         return self._state.conversation.roles[message_id]
@@ -132,8 +150,7 @@ class DecisionContext:
 
     def position_length(self, counter: TokenCounter) -> int:
         """The next free position: `prompt_tokens` minus the tokens already compacted away."""
-        state = self._state
-        return self.prompt_tokens(counter) - self.tokens(counter, state.hidden_order[:state.compacted_count])
+        return self.prompt_tokens(counter) - self._state.count(counter).compacted_tokens
 
     @property
     def uncompacted(self) -> tuple[int, ...]:

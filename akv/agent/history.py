@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from akv.agent.errors import HistoryError
 
@@ -18,28 +19,25 @@ def _is_int(value: object) -> bool:
 
 
 def _canonical(value: object) -> bytes:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"),
-                      default=repr).encode("utf-8", "surrogatepass")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr).encode("ascii")
 
 
-def prefix_digests(messages: Sequence[object], at: int) -> tuple[str, str]:
-    """Digests of `messages[:at]` and of all of `messages`, computed in one pass."""
-    h = hashlib.blake2b(digest_size=16)
-    prefix = ""
-    for i, message in enumerate(messages):
-        if i == at:
-            prefix = h.hexdigest()
-        h.update(_canonical(message))
-        h.update(b"\x1e")
-    full = h.hexdigest()
-    return (full if at >= len(messages) else prefix), full
+EMPTY_PREFIX = hashlib.sha256(b"akv.agent message prefix").hexdigest()
+
+
+def extend_digest(digest: str, messages: Iterable[object]) -> str:
+    """The prefix digest after appending `messages` to a prefix whose digest is `digest`
+    (start from EMPTY_PREFIX); each step hashes the previous digest and one message's canonical JSON."""
+    for message in messages:
+        digest = hashlib.sha256(digest.encode("ascii") + _canonical(message)).hexdigest()
+    return digest
 
 
 def settings_digest(payload: Mapping[str, object], api_style: str) -> str:
     """Digest of what fixes the rendered tokens besides the messages: model, tools, template options."""
     settings = {key: payload.get(key) for key in _SETTINGS_FIELDS}
     settings["api_style"] = api_style
-    return hashlib.blake2b(_canonical(settings), digest_size=16).hexdigest()
+    return hashlib.sha256(_canonical(settings)).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -73,12 +71,15 @@ class CacheOperationHistory:
     """Immutable, append-only log of the operations decided for one conversation branch.
 
     `message_count` messages have been seen; `prefix_digest` is the digest of those messages and
-    `settings_digest` that of the model/tools/template settings they were decided under."""
+    `settings_digest` that of the model/tools/template settings they were decided under. A history
+    returned by `CachePolicy.process` also keeps, in memory only, a copy of those messages so that
+    the next call can check its prefix without re-hashing it."""
 
     operations: tuple[CacheOperation, ...]
     message_count: int
     prefix_digest: str
     settings_digest: str
+    snapshot: list[Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.operations, tuple) or not all(
@@ -103,6 +104,8 @@ class CacheOperationHistory:
                 raise HistoryError(f"operation at {op.boundary} drops already dropped messages {sorted(again)}")
             hidden.update(op.drop)
             previous = op.boundary
+        if self.snapshot is not None and len(self.snapshot) != self.message_count:
+            raise HistoryError(f"CacheOperationHistory.snapshot must hold {self.message_count} messages")
 
     @property
     def hidden(self) -> frozenset[int]:

@@ -56,11 +56,11 @@ def _tool_calls(message: Mapping[str, object], i: int) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     seen: set[str] = set()
     for k, call in enumerate(calls):
-        if not isinstance(call, Mapping):
+        if type(call) is not dict and not isinstance(call, Mapping):
             raise PayloadError(f"message {i}: tool_calls[{k}] must be an object", message_id=i, field="tool_calls")
         call_id = call.get("id")
         function = call.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else None
+        name = function.get("name") if type(function) is dict or isinstance(function, Mapping) else None
         if not isinstance(call_id, str) or not call_id:
             raise PayloadError(f"message {i}: tool_calls[{k}].id must be a non-empty string, got {call_id!r}",
                                message_id=i, field="tool_calls")
@@ -106,7 +106,7 @@ def parse_conversation(messages: object,
         open_assistant, open_results = -1, []
 
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
+        if type(message) is not dict and not isinstance(message, Mapping):
             raise PayloadError(f"message {i}: must be an object, got {type(message).__name__}",
                                message_id=i, field="messages")
         role = message.get("role")

@@ -52,14 +52,17 @@ def akv_fields(history: CacheOperationHistory) -> dict[str, Any]:
     return fields
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def copy_json(value: Any) -> Any:
     """Deep copy of a JSON-like value (dicts, lists, scalars); other objects go through copy.deepcopy."""
     kind = type(value)
     if kind is dict:
-        return {k: copy_json(v) for k, v in value.items()}
+        return {k: (v if type(v) in _SCALARS else copy_json(v)) for k, v in value.items()}
     if kind is list:
-        return [copy_json(v) for v in value]
-    if kind in (str, int, float, bool) or value is None:
+        return [v if type(v) in _SCALARS else copy_json(v) for v in value]
+    if kind in _SCALARS:
         return value
     return copy.deepcopy(value)
 

@@ -10,9 +10,9 @@ from akv.agent import checks
 from akv.agent.context import DecisionContext, DecisionState, check_ids
 from akv.agent.counting import TokenCounter
 from akv.agent.errors import ConfigError, HistoryError, RuleError
-from akv.agent.history import CacheOperation, CacheOperationHistory, prefix_digests, settings_digest
+from akv.agent.history import EMPTY_PREFIX, CacheOperation, CacheOperationHistory, extend_digest, settings_digest
 from akv.agent.messages import parse_conversation
-from akv.agent.payload import check_payload, with_fields
+from akv.agent.payload import check_payload, copy_json, with_fields
 from akv.agent.protection import Protection
 from akv.agent.tool import DropContextTool
 
@@ -69,12 +69,15 @@ class CachePolicy:
         messages = payload.get("messages")
         conversation = parse_conversation(messages, completed_call_message_ids)
         settings = settings_digest(payload, api_style)
-        start = 0 if history is None else history.message_count
-        prefix, full = prefix_digests(messages, start)
+        start = 0
+        prefix_digest = EMPTY_PREFIX
+        snapshot: list[Any] = []
         if history is not None:
-            _check_history(history, conversation.boundaries, len(messages), prefix, settings)
+            _check_history(history, conversation.boundaries, messages, settings)
             if history.message_count == len(messages):
                 return with_fields(payload, history, api_style), history
+            start, prefix_digest = history.message_count, history.prefix_digest
+            snapshot = history.snapshot if history.snapshot is not None else copy_json(messages[:start])
         state = DecisionState(messages, conversation, self.protection.protected(conversation),
                               payload.get("tools"), payload.get("chat_template_kwargs"), api_style)
         operations = list(history.operations) if history is not None else []
@@ -89,7 +92,9 @@ class CachePolicy:
                 if op is not None:
                     operations.append(op)
             previous = boundary
-        new_history = CacheOperationHistory(tuple(operations), len(messages), full, settings)
+        added = messages[start:]
+        new_history = CacheOperationHistory(tuple(operations), len(messages), extend_digest(prefix_digest, added),
+                                            settings, snapshot + copy_json(added))
         return with_fields(payload, new_history, api_style), new_history
 
     def _decide(self, state: DecisionState, boundary: int, turn: int, previous: int) -> CacheOperation | None:
@@ -97,7 +102,7 @@ class CachePolicy:
         ctx = DecisionContext(state, boundary, turn)
         drop: tuple[int, ...] = ()
         if self.selector is not None and (self.trigger is None or _verdict(self.trigger, ctx)):
-            chosen = [i for i in check_ids(self.selector(ctx), ctx, self.selector) if i in state.candidates]
+            chosen = [i for i in check_ids(self.selector(ctx), ctx, self.selector) if state.is_candidate(i)]
             if len(chosen) >= self.min_clear_messages and (
                     self.min_clear_tokens is None or ctx.tokens(self.counter, chosen) >= self.min_clear_tokens):
                 drop = tuple(chosen)
@@ -117,19 +122,22 @@ def _verdict(rule: Callable[[DecisionContext], object], ctx: DecisionContext) ->
     return result
 
 
-def _check_history(history: object, boundaries: tuple[int, ...], n_messages: int, prefix: str,
-                   settings: str) -> None:
+def _check_history(history: object, boundaries: tuple[int, ...], messages: list[Any], settings: str) -> None:
     if not isinstance(history, CacheOperationHistory):
         raise HistoryError(f"history must be a CacheOperationHistory or None, got {type(history).__name__}")
     if history.settings_digest != settings:
         raise HistoryError("the model, tools or template settings (model, tools, chat_template_kwargs, "
                            "reasoning_effort, api_style) differ from those the history was decided under")
-    if history.message_count > n_messages:
-        raise HistoryError(f"the history covers {history.message_count} messages but the payload has only "
-                           f"{n_messages}; it belongs to another branch")
-    if history.prefix_digest != prefix:
-        raise HistoryError(f"messages 0..{history.message_count - 1} differ from those the history was decided "
-                           f"on: an earlier message was edited, removed or reordered")
+    count = history.message_count
+    if count > len(messages):
+        raise HistoryError(f"the history covers {count} messages but the payload has only {len(messages)}; it "
+                           f"belongs to another branch")
+    prefix = messages[:count]
+    same = history.snapshot == prefix if history.snapshot is not None else \
+        extend_digest(EMPTY_PREFIX, prefix) == history.prefix_digest
+    if not same:
+        raise HistoryError(f"messages 0..{count - 1} differ from those the history was decided on: an earlier "
+                           f"message was edited, removed or reordered")
     known = set(boundaries)
     stray = [op.boundary for op in history.operations if op.boundary not in known]
     if stray:

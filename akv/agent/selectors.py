@@ -32,13 +32,11 @@ class TurnSelection:
         if expired_turns <= 0:
             return []
         limit = ctx.conversation.boundaries[expired_turns - 1]
-        roles = _TARGET_ROLES[self.target]
         out = []
-        for i in ctx.candidates:
+        for i in ctx.droppable(_TARGET_ROLES[self.target]):
             if i > limit:
                 break
-            if ctx.role(i) in roles:
-                out.append(i)
+            out.append(i)
         return out
 
 
@@ -58,12 +56,11 @@ class TokenSelection:
         excess = ctx.visible_tokens(self.counter) - self.target_tokens
         spans = ctx.layout(self.counter).spans
         out = []
-        for i in ctx.candidates:
+        for i in ctx.droppable(("tool",)):
             if excess <= 0:
                 break
-            if ctx.role(i) == "tool":
-                out.append(i)
-                excess -= spans[i][1] - spans[i][0]
+            out.append(i)
+            excess -= spans[i][1] - spans[i][0]
         return out
 
 

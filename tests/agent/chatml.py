@@ -30,7 +30,8 @@ CHATML_TEMPLATE = """
 {%- endif %}
 {{- message.content }}
 {%- for call in message.tool_calls | default([]) %}
-{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}
+{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
+{{- (call.function.arguments | tojson) + '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
 {%- elif message.role == 'tool' %}

@@ -6,8 +6,15 @@ import copy
 
 import pytest
 
-from akv.agent import (CacheOperation, CacheOperationHistory, CachePolicy, HistoryError, TurnReposition,
-                       TurnSelection, TurnTrigger)
+from akv.agent import (
+    CacheOperation,
+    CacheOperationHistory,
+    CachePolicy,
+    HistoryError,
+    TurnReposition,
+    TurnSelection,
+    TurnTrigger,
+)
 from tests.agent.conversations import call, payload, result
 
 POLICY = CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(1), reposition=TurnReposition(after=2, every=2))
@@ -50,6 +57,33 @@ def test_edited_earlier_message_raises():
     edited[2]["content"] = "a different result"
     with pytest.raises(HistoryError, match="messages 0..4 differ"):
         POLICY.process(payload(edited), h)
+
+
+def test_in_place_edit_of_an_earlier_message_raises():
+    messages = conversation(2)
+    _, h = POLICY.process(payload(messages))
+    messages[2]["content"] = "rewritten in place"
+    with pytest.raises(HistoryError, match="differ"):
+        POLICY.process(payload(messages + [call("x"), result("x")]), h)
+    messages = conversation(2)
+    _, h = POLICY.process(payload(messages))
+    messages[1]["tool_calls"][0]["function"]["arguments"] = "{}"
+    with pytest.raises(HistoryError, match="differ"):
+        POLICY.process(payload(messages + [call("x"), result("x")]), h)
+
+
+def test_history_loaded_from_json_checks_the_prefix_by_digest():
+    _, h = POLICY.process(payload(conversation(2)))
+    loaded = CacheOperationHistory.from_json(h.to_json())
+    assert loaded.snapshot is None
+    edited = conversation(3)
+    edited[0]["content"] = "another task"
+    with pytest.raises(HistoryError, match="messages 0..4 differ"):
+        POLICY.process(payload(edited), loaded)
+    reordered = conversation(3)
+    reordered[0] = dict(reversed(list(reordered[0].items())))
+    new, _ = POLICY.process(payload(reordered), loaded)
+    assert new["drop_message"] == {"4": [2], "6": [4]}
 
 
 def test_other_model_tools_or_template_settings_raise():

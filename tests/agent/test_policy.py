@@ -7,8 +7,20 @@ from dataclasses import dataclass
 
 import pytest
 
-from akv.agent import (ApproximateTokenCounter, CachePolicy, ConfigError, PayloadError, RuleError, TokenLayout,
-                       TokenReposition, TokenSelection, TokenTrigger, TurnReposition, TurnSelection, TurnTrigger)
+from akv.agent import (
+    ApproximateTokenCounter,
+    CachePolicy,
+    ConfigError,
+    PayloadError,
+    RuleError,
+    TokenLayout,
+    TokenReposition,
+    TokenSelection,
+    TokenTrigger,
+    TurnReposition,
+    TurnSelection,
+    TurnTrigger,
+)
 from tests.agent.conversations import call, payload, result
 
 WORKED = [{"role": "user", "content": "Read A then B."}, call("A"), result("A"), call("B"), result("B")]

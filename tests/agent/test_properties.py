@@ -8,8 +8,15 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from akv.agent import (ApproximateTokenCounter, CachePolicy, TokenSelection, TokenTrigger, TurnReposition,
-                       TurnSelection, TurnTrigger)
+from akv.agent import (
+    ApproximateTokenCounter,
+    CachePolicy,
+    TokenSelection,
+    TokenTrigger,
+    TurnReposition,
+    TurnSelection,
+    TurnTrigger,
+)
 from tests.agent.conversations import payload, random_conversation
 
 ROLES = {"tool": {"tool"}, "assistant": {"assistant"}, "both": {"tool", "assistant"}}

@@ -6,8 +6,16 @@ import json
 
 import pytest
 
-from akv.agent import (CachePolicy, ConfigError, DropContextTool, ModelReposition, ModelSelection, ModelTrigger,
-                       PayloadError, TurnSelection)
+from akv.agent import (
+    CachePolicy,
+    ConfigError,
+    DropContextTool,
+    ModelReposition,
+    ModelSelection,
+    ModelTrigger,
+    PayloadError,
+    TurnSelection,
+)
 from tests.agent.conversations import call, payload, result
 
 BASE = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}, call("A"), result("A"),

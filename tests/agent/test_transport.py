@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from akv.agent import (ContextLengthError, HTTPStatusError, IncompleteStreamError, StreamError, TransportError)
+from akv.agent import ContextLengthError, HTTPStatusError, IncompleteStreamError, StreamError, TransportError
 from akv.agent.results import ToolCall
 from akv.agent.sse import SSEParser
 from akv.agent.transport import chat_completions_url, send_chat_request
