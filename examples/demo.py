@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from akv.agent import BackendError  # noqa: E402
 from akv_demo.artifacts import ArtifactError  # noqa: E402
 from akv_demo.harness import DemoConfig, run_demo  # noqa: E402
 from akv_demo.policies import POLICY_KINDS  # noqa: E402
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except ArtifactError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BackendError as exc:
+        print(f"error: the server failed a request ({type(exc).__name__}, HTTP {exc.status}): {exc} {exc.body}",
+              file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             server.shutdown()

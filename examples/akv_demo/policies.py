@@ -35,9 +35,9 @@ class DemoPolicy:
 def make_policy(kind: str, *, record_tokens: int) -> DemoPolicy:
     """``record_tokens`` is the approximate size of one record; token thresholds scale with it."""
     if kind == "turn":
-        return DemoPolicy(kind, CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(1),
-                                            reposition=TurnReposition(after=2, every=2)), None,
-                          "keep the newest record; drop older ones every turn; reposition every 2nd turn")
+        return DemoPolicy(kind, CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(2),
+                                            reposition=TurnReposition(after=1, every=1)), None,
+                          "keep the 2 newest records, drop older ones; reposition after each drop")
     if kind == "token":
         counter = ApproximateTokenCounter()
         threshold, target = 3 * record_tokens, 2 * record_tokens

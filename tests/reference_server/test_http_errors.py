@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from akv.agent.errors import ContextLengthError
+from akv.agent.errors import ContextLengthError, StreamError
 from akv.agent.transport import send_chat_request
 
 MODEL = "tiny-test"
@@ -123,3 +123,16 @@ def test_health_models_and_unknown_routes(served: Any) -> None:
     assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
     status, reply = get(served.url, "/v2/nothing")
     assert status == 404 and "/v2/nothing" in reply["error"]["message"]
+
+
+def test_engine_failure_is_reported_and_the_server_recovers(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("simulated engine fault")
+
+    monkeypatch.setattr(served.engine, "generate", broken)
+    status, reply = post(served.url, good_body())
+    assert status == 500 and "simulated engine fault" in reply["error"]["message"]
+    with pytest.raises(StreamError, match="simulated engine fault"):
+        send_chat_request(served.url, good_body(stream=True), timeout=60)
+    monkeypatch.undo()
+    assert post(served.url, good_body())[0] == 200

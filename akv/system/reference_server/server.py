@@ -80,14 +80,21 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             request = parse_chat_request(self._read_json(), self.server.engine.model_name)
             with self.server.engine_lock:
-                prepared = self.server.engine.prepare(request)
+                try:
+                    prepared = self.server.engine.prepare(request)
+                except RequestError:
+                    raise
+                except Exception as exc:  # a bug, not the client's fault: report it, keep serving
+                    self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {exc!r}", param=None,
+                                kind="server_error")
+                    return
                 if request.stream:
                     self._stream(request, prepared)
                 else:
                     self._complete(request, prepared)
         except RequestError as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc), param=exc.field)
-        except BrokenPipeError:
+        except (BrokenPipeError, ConnectionResetError):
             return
 
     def _read_json(self) -> Any:
@@ -134,7 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
 
         try:
             generation = self.server.engine.generate(prepared, request, on_token=on_token)
-        except BrokenPipeError:
+        except (BrokenPipeError, ConnectionResetError):
             raise
         except Exception as exc:  # the engine failed mid-stream: an error event, no [DONE]
             self._event(error_body(f"engine error: {exc!r}", param=None, status=500, kind="server_error"))
