@@ -16,7 +16,7 @@ from akv.system.kernels.layer_buffers import LayerBuffers
 from akv.system.kernels.rerotate import rerotate_kv
 from akv.system.kernels.rerotate_reference import rerotate_kv_reference
 from akv.system.kernels.rope_spec import RopeSpec, RopeTable
-from akv.system.reference.rope import rotate
+from akv.system.reference.rope import rerotate, rotate
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +50,25 @@ def test_rerotation_matches_reference_on_a_qwen3_8b_cache(n_copies, moved):
         assert within_bf16_ulp(k[layer], k_ref[layer]), f"layer {layer}"
         assert torch.equal(k[layer][dst[::7]], k_ref[layer][dst[::7]])
         assert torch.equal(v[layer], v_ref[layer])
+
+
+def test_rerotation_of_256k_tokens_spot_checked_on_three_layers():
+    """262144 survivors of 524288 slots move into the dropped half (77 GB of K and V); layers 0, 17
+    and 35 are checked against the reference applied to their saved source rows."""
+    n, checked = 262144, (0, 17, 35)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    slots = 2 * n + 1
+    k = [torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16() for _ in range(LAYERS)]
+    v = [torch.randn(slots, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16() for _ in range(LAYERS)]
+    order = torch.randperm(2 * n, device="cuda", generator=gen) + 1
+    src, dst = order[:n].sort().values, order[n:].sort().values
+    old, new = src.clone(), torch.arange(n, device="cuda")
+    saved = {layer: (k[layer][src].clone(), v[layer][src].clone()) for layer in checked}
+    rerotate_kv(LayerBuffers.of(k), LayerBuffers.of(v), src, dst, old, new, RopeTable.build(QWEN3, slots, "cuda"))
+    for layer, (k_src, v_src) in saved.items():
+        expected = rerotate(k_src, old, new, theta=QWEN3.theta).bfloat16()
+        assert within_bf16_ulp(k[layer][dst], expected), f"layer {layer}"
+        assert torch.equal(v[layer][dst], v_src)
 
 
 def test_fp32_rerotation_equals_direct_rotation_at_large_positions():

@@ -1,4 +1,5 @@
-"""Visible KV index lists against a brute-force walk over every column of every entry."""
+"""Visible KV index lists (Triton kernels and the PyTorch reference) against a brute-force walk over
+every column of every entry."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from akv.system.kernels.kv_indices import (
     extend_kv_indices,
     visible_kv_indices,
 )
+from akv.system.kernels.kv_indices_reference import visible_kv_indices_reference
 
 ROWS, WIDTH = 4, 70
 
@@ -83,11 +85,11 @@ def test_keep_mask(batch, use_forced):
     gen, req_to_token, r2t = table(seed, device)
     keep = torch.rand(ROWS, WIDTH, generator=gen) < 0.5
     forced = (kv_lens - 3).clamp(min=0) if use_forced else None
-    result = visible_kv_indices(
-        r2t, *on(device, rows, kv_lens), KeepMask(*on(device, keep, rows)),
-        forced_from=None if forced is None else forced.to(device),
-    )
-    check(result, brute_force(req_to_token, rows, kv_lens, lambda i, c: bool(keep[rows[i], c]), forced))
+    arguments = (r2t, *on(device, rows, kv_lens), KeepMask(*on(device, keep, rows)))
+    forced_from = None if forced is None else forced.to(device)
+    expected = brute_force(req_to_token, rows, kv_lens, lambda i, c: bool(keep[rows[i], c]), forced)
+    check(visible_kv_indices(*arguments, forced_from=forced_from), expected)
+    check(visible_kv_indices_reference(*arguments, forced_from=forced_from), expected)
 
 
 @settings(max_examples=15, deadline=None)
@@ -98,8 +100,10 @@ def test_visible_until(batch, query_seed):
     gen, req_to_token, r2t = table(seed, device)
     visible_until = torch.randint(0, WIDTH + 1, (ROWS, WIDTH), generator=gen)
     query = (torch.arange(rows.shape[0]) * 7 + query_seed) % WIDTH
-    result = visible_kv_indices(r2t, *on(device, rows, kv_lens), VisibleUntil(*on(device, visible_until, rows, query)))
-    check(result, brute_force(req_to_token, rows, kv_lens, lambda i, c: bool(visible_until[rows[i], c] > query[i])))
+    arguments = (r2t, *on(device, rows, kv_lens), VisibleUntil(*on(device, visible_until, rows, query)))
+    expected = brute_force(req_to_token, rows, kv_lens, lambda i, c: bool(visible_until[rows[i], c] > query[i]))
+    check(visible_kv_indices(*arguments), expected)
+    check(visible_kv_indices_reference(*arguments), expected)
 
 
 @settings(max_examples=15, deadline=None)
@@ -112,9 +116,10 @@ def test_hidden_ranges(data, batch, use_forced):
     forced = (kv_lens // 2) if use_forced else None
     ranges = HiddenRanges(torch.tensor(indptr, device=device),
                           torch.tensor(bounds, dtype=torch.int64, device=device).view(-1, 2))
-    result = visible_kv_indices(r2t, *on(device, rows, kv_lens), ranges,
-                                forced_from=None if forced is None else forced.to(device))
-    check(result, brute_force(req_to_token, rows, kv_lens, ranges_visible(indptr, bounds), forced))
+    forced_from = None if forced is None else forced.to(device)
+    expected = brute_force(req_to_token, rows, kv_lens, ranges_visible(indptr, bounds), forced)
+    check(visible_kv_indices(r2t, *on(device, rows, kv_lens), ranges, forced_from=forced_from), expected)
+    check(visible_kv_indices_reference(r2t, *on(device, rows, kv_lens), ranges, forced_from=forced_from), expected)
 
 
 def test_all_visible_and_preallocated_buffer(device):
