@@ -75,7 +75,9 @@ def run(n_tokens: int, n_messages: int, dense_messages: int, repeats: int) -> di
     for name, (n_messages, drop_message, reposition) in scenarios.items():
         token_ids, owners = _conversation(n_tokens, n_messages, seed=0)
         parse_ms, _, rules = _timed(lambda: parse_rules(drop_message, reposition, n_messages), repeats)
-        compile_ms, compile_cpu_ms, program = _timed(lambda: compile_program(token_ids, owners, rules, n_messages), repeats)
+        compile_ms, compile_cpu_ms, program = _timed(
+            lambda: compile_program(token_ids, owners, rules, n_messages), repeats
+        )
         encode_ms, _, data = _timed(lambda: encode_program(program), repeats)
         decode_ms, _, _ = _timed(lambda: decode_program(data), repeats)
         append_ms, _, _ = _timed(lambda: append_generated(program, [1]), repeats)
@@ -108,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     report = {
         "command": "python " + " ".join(sys.argv),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", python {platform.python_version()}, numpy {np.__version__}",
+        "machine": f"{platform.machine()}, python {platform.python_version()}, numpy {np.__version__}",
         "tokens": args.tokens,
         "repeats": args.repeats,
         "statistic": "median ms (wall unless named cpu)",

@@ -14,7 +14,9 @@ from .naive import simulate
 from .strategies import History, histories
 
 
-def _compile(n_messages: int, owners: list[int], drop_message: dict[int, list[int]], reposition: list[int]) -> ContextProgram:
+def _compile(
+    n_messages: int, owners: list[int], drop_message: dict[int, list[int]], reposition: list[int]
+) -> ContextProgram:
     wire = {str(k): v for k, v in reversed(list(drop_message.items()))}
     rules = parse_rules(wire, reposition or None, n_messages)
     token_ids = [(7 * t + 3) % 101 for t in range(len(owners))]
@@ -31,7 +33,13 @@ def _hidden_by(program: ContextProgram) -> list[int]:
     return out
 
 
-def _assert_matches_naive(program: ContextProgram, owners: list[int], drop_message: dict[int, list[int]], reposition: list[int], generated: int) -> None:
+def _assert_matches_naive(
+    program: ContextProgram,
+    owners: list[int],
+    drop_message: dict[int, list[int]],
+    reposition: list[int],
+    generated: int,
+) -> None:
     naive = simulate(owners, drop_message, reposition, generated)
     assert [e.at for e in program.events] == naive.event_at
     assert program.birth_position.tolist() == naive.birth_position
@@ -149,6 +157,8 @@ def test_plain_request_is_identity_layout() -> None:
         ([1, 2], [0, 1], ContextRules.EMPTY, -1, "n_messages: -1 is not a non-negative int"),
     ],
 )
-def test_invalid_inputs_raise_program_error(token_ids: object, owners: object, rules: object, n_messages: int, text: str) -> None:
+def test_invalid_inputs_raise_program_error(
+    token_ids: object, owners: object, rules: object, n_messages: int, text: str
+) -> None:
     with pytest.raises(ProgramError, match=text):
         compile_program(token_ids, owners, rules, n_messages)  # type: ignore[arg-type]

@@ -36,7 +36,12 @@ def _call(call_id: str, city: str) -> dict[str, Any]:
 AGENT = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What's the weather in Paris and 東京?"},
-    {"role": "assistant", "content": "", "reasoning_content": "I should call tools.", "tool_calls": [_call("a", "Paris"), _call("b", "東京")]},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I should call tools.",
+        "tool_calls": [_call("a", "Paris"), _call("b", "東京")],
+    },
     {"role": "tool", "tool_call_id": "a", "content": "22°C sunny"},
     {"role": "tool", "tool_call_id": "b", "content": ""},
     {"role": "assistant", "content": "Paris is 22°C 🦜", "reasoning_content": "both done"},
@@ -49,6 +54,8 @@ CHAT = [
     {"role": "assistant", "content": ""},
     {"role": "user", "content": "naïve café 北京?"},
 ]
+
+LOOP = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 CALLS_2 = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -222,16 +229,17 @@ def test_provenance_feeds_the_compiler(chatml_tokenizer: Any) -> None:
 @pytest.mark.parametrize(
     ("source", "messages", "text"),
     [
-        ("{% for m in messages %}{{ m.content }}{% endfor %}|{% for m in messages %}{{ m.content }}{% endfor %}", None, "outside any message loop"),
+        (LOOP + "|" + LOOP, None, "outside any message loop"),
         ("{% for m in messages|reverse %}{{ m.content }}{% endfor %}", None, "message 0 is rendered after message 1"),
-        ("{% filter upper %}{% for m in messages %}{{ m.content }}{% endfor %}{% endfilter %}", None, "rewrote template output"),
+        ("{% filter upper %}" + LOOP + "{% endfilter %}", None, "rewrote template output"),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", "same", r"messages\[1\]: same object as messages\[0\]"),
         ("{% for m in messages %}{{ m }}{% endfor %}", "text", r"messages\[0\]: expected an object, got str"),
     ],
 )
 def test_ambiguous_ownership_fails_loudly(source: str, messages: Any, text: str) -> None:
     shared = {"role": "user", "content": "x"}
-    chosen = {None: [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "same": [shared, shared], "text": ["hi"]}
+    two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    chosen = {None: two, "same": [shared, shared], "text": ["hi"]}
     with pytest.raises(ProvenanceError, match=text):
         ChatTemplate(source).render_owned(chosen[messages])
 

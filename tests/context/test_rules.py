@@ -63,7 +63,7 @@ def test_drop_of_the_anchor_itself_is_allowed() -> None:
         ({"4": [7]}, None, FutureDropError, "drop_message['4'][0]: message 7 is after its anchor 4"),
         ({"4": [-1]}, None, RuleRangeError, "drop_message['4'][0]: message id -1 is negative"),
         ({"10": [1]}, None, RuleRangeError, "drop_message['10']: message id 10 is out of range for 10 messages"),
-        ({"4": [1, 1]}, None, DoubleDropError, "drop_message['4'][1]: message 1 is already dropped earlier in this list"),
+        ({"4": [1, 1]}, None, DoubleDropError, "drop_message['4'][1]: message 1 is already dropped earlier"),
         ({"6": [1], "4": [1]}, None, DoubleDropError, "drop_message['6'][0]: message 1 is already dropped by anchor 4"),
         ({"4": [1], 4: [2]}, None, RuleOrderError, "drop_message[4]: anchor 4 repeats key '4'"),
         ({"2": [0, 1, 2, 0]}, None, RuleSizeError, "drop_message['2']: 4 ids, at most 3 possible"),

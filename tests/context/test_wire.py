@@ -23,7 +23,8 @@ def _assert_same(a: ContextProgram, b: ContextProgram) -> None:
     for name in _ARRAYS:
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
         assert getattr(a, name).dtype == getattr(b, name).dtype, name
-    assert (a.n_prompt, a.n_messages, a.next_position, a.events) == (b.n_prompt, b.n_messages, b.next_position, b.events)
+    scalars = ("n_prompt", "n_messages", "next_position", "events")
+    assert [getattr(a, s) for s in scalars] == [getattr(b, s) for s in scalars]
     assert len(a.transitions) == len(b.transitions)
     for x, y in zip(a.transitions, b.transitions):
         assert x.event == y.event

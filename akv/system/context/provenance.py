@@ -70,7 +70,9 @@ class _GenerationTag(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -151,7 +153,8 @@ class ChatTemplate:
                 f"chat_template: instrumented render differs from the plain render at character {at} "
                 f"({text[at:at + 20]!r} vs {plain[at:at + 20]!r}); a filter rewrote template output"
             )
-        return OwnedText(text=text, char_owners=_settle_owners(char_owners, text, len(messages)), n_messages=len(messages))
+        owners = _settle_owners(char_owners, text, len(messages))
+        return OwnedText(text=text, char_owners=owners, n_messages=len(messages))
 
 
 def token_provenance(owned: OwnedText, tokenizer: Any) -> TokenProvenance:
@@ -161,7 +164,8 @@ def token_provenance(owned: OwnedText, tokenizer: Any) -> TokenProvenance:
     """
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if not hasattr(backend, "encode") or not hasattr(backend, "get_vocab_size"):
-        raise ProvenanceError(f"tokenizer: {type(tokenizer).__name__} gives no character offsets (needs a fast tokenizer)")
+        name = type(tokenizer).__name__
+        raise ProvenanceError(f"tokenizer: {name} gives no character offsets (needs a fast tokenizer)")
     encoding = backend.encode(owned.text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int64)
     offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
@@ -195,7 +199,9 @@ def prompt_provenance(
     if not isinstance(source, str):
         raise ProvenanceError("chat_template: the tokenizer has no chat template and none was given")
     context = {**getattr(tokenizer, "special_tokens_map", {}), **variables}
-    owned = chat_template(source).render_owned(messages, tools=tools, add_generation_prompt=add_generation_prompt, **context)
+    owned = chat_template(source).render_owned(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, **context
+    )
     return token_provenance(owned, tokenizer)
 
 

@@ -50,7 +50,9 @@ def encode_program(program: ContextProgram) -> bytes:
     dropped = [m for e in drops for m in e.messages]
     body = b"".join(
         [
-            _HEADER.pack(MAGIC, VERSION, 0, program.n_tokens, n_prompt, program.n_messages, len(drops), len(dropped), len(repos)),
+            _HEADER.pack(
+                MAGIC, VERSION, 0, program.n_tokens, n_prompt, program.n_messages, len(drops), len(dropped), len(repos)
+            ),
             _int32(program.token_ids),
             _int32(counts),
             _int32([e.anchor for e in drops]),
