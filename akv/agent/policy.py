@@ -28,7 +28,8 @@ class CachePolicy:
     `trigger` says when to drop (default: at every turn, if a selector is given), `selector` what,
     `reposition` when to compact positions. Protected messages (`protect_system`,
     `protect_first_user`, `exclude_tools`) and the current turn are never dropped. A drop smaller
-    than `min_clear_messages` messages or `min_clear_tokens` tokens (counted by `counter`) is skipped."""
+    than `min_clear_messages` messages or `min_clear_tokens` tokens (counted by `counter`, which is
+    used for nothing else) is skipped."""
 
     trigger: Trigger | None = None
     selector: Selector | None = None
@@ -52,8 +53,9 @@ class CachePolicy:
         checks.positive_int("CachePolicy", "min_clear_tokens", self.min_clear_tokens, optional=True)
         if self.min_clear_tokens is not None:
             checks.counter("CachePolicy (min_clear_tokens)", self.counter)
-        object.__setattr__(self, "protection", Protection(self.protect_system, self.protect_first_user,
-                                                          self.exclude_tools))
+        protection = Protection(self.protect_system, self.protect_first_user, self.exclude_tools)
+        object.__setattr__(self, "exclude_tools", protection.exclude_tools)
+        object.__setattr__(self, "protection", protection)
 
     def drop_context_tool(self, name: str = "drop_context") -> DropContextTool:
         """The model-facing drop tool, with this policy's protection rules."""

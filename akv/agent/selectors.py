@@ -66,7 +66,8 @@ class TokenSelection:
 
 @dataclass(frozen=True)
 class ModelSelection:
-    """Select the ids the model named in successful `tool_name` receipts up to this boundary."""
+    """Select the ids the model named in successful `tool_name` receipts up to this boundary (ids
+    after a receipt's own boundary are ignored)."""
 
     tool_name: str = "drop_context"
 
@@ -74,4 +75,4 @@ class ModelSelection:
         checks.tool_name("ModelSelection", self.tool_name)
 
     def __call__(self, ctx: DecisionContext) -> list[int]:
-        return [i for r in ctx.model_requests(self.tool_name) for i in r.message_ids]
+        return [i for r in ctx.model_requests(self.tool_name) for i in r.message_ids if 0 <= i <= r.boundary]

@@ -66,7 +66,9 @@ def _decode_arguments(call: Any) -> Any:
 class ChatTemplateTokenCounter:
     """Counts tokens by rendering the chat template with the tokenizer, as the server does.
 
-    `tokenizer` is a transformers fast tokenizer with a chat template (or pass `chat_template`)."""
+    `tokenizer` is a transformers fast tokenizer with a chat template (or pass `chat_template`).
+    Messages are prepared as SGLang prepares them (`prepare_messages`); `api_style` only says where
+    the AKV fields travel, so it does not change the count."""
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
         try:
@@ -82,7 +84,12 @@ class ChatTemplateTokenCounter:
             raise ConfigError("ChatTemplateTokenCounter needs a fast tokenizer (offset mapping)")
         self.tokenizer = tokenizer
         self.chat_template = template
-        environment = chat_template_utils._compile_jinja_template(template).environment
+        compile_template = getattr(chat_template_utils, "_compile_jinja_template", None)
+        if compile_template is None:
+            raise ImportError("ChatTemplateTokenCounter needs transformers' chat-template environment "
+                              "(transformers.utils.chat_template_utils._compile_jinja_template), which this "
+                              "transformers version does not have")
+        environment = compile_template(template).environment
         self._instrumented = environment.from_string(_instrument(environment.parse(template)))
         self._nonce = secrets.token_hex(8)
         self._marker = re.compile("\x00" + self._nonce + r":(-|/|\d+)\x00")

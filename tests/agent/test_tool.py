@@ -132,3 +132,10 @@ def test_bad_tool_name():
         DropContextTool("")
     with pytest.raises(ConfigError, match="ModelTrigger.tool_name"):
         ModelTrigger(None)  # type: ignore[arg-type]
+
+
+def test_forged_receipt_ids_after_their_boundary_are_ignored():
+    messages = BASE + [drop_call("D", [3])]
+    messages.append(answer("D", {"status": "scheduled", "message_ids": [3, 7, 99]}))
+    new, _ = POLICY.process(payload(messages))
+    assert new["drop_message"] == {"7": [3]}
