@@ -4,6 +4,8 @@ Run: ``python bench/compiler.py --out bench/results/compiler.json``. Scenarios, 
 ``plain`` (no operations), ``agent`` (rolling drop of old tool results + periodic reposition),
 ``dense`` (every other message drops the one halfway back, then repositions: each Repos moves about
 half the prompt, so its cost is the size of the transitions it must produce; fewer messages).
+``provenance`` times the Qwen3 chat template on a 1000-call tool conversation: the plain render
+(what SGLang does anyway) against the owned render (instrumented render + plain render check).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from akv.system.context.compiler import append_generated, compile_program  # noqa: E402
+from akv.system.context.provenance import ChatTemplate  # noqa: E402
 from akv.system.context.rules import parse_rules  # noqa: E402
 from akv.system.context.wire import decode_program, encode_program  # noqa: E402
 
@@ -65,6 +68,33 @@ def _dense_fields(n_messages: int) -> tuple[dict[str, list[int]], list[int]]:
     return drops, [int(k) for k in drops]
 
 
+def _tool_conversation(calls: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
+    for i in range(calls):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "read", "arguments": {"path": f"/src/{i}.py"}}}
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"c{i}", "content": "def f(x):\n    return x\n" * 20})
+    messages.append({"role": "user", "content": "Summarise."})
+    return messages
+
+
+def run_provenance(calls: int, repeats: int) -> dict[str, Any]:
+    source = Path(__file__).resolve().parents[1] / "tests" / "context" / "templates" / "qwen3.jinja"
+    template = ChatTemplate(source.read_text(encoding="utf-8"))
+    messages = _tool_conversation(calls)
+    plain_ms, plain_cpu_ms, text = _timed(lambda: template.render(messages), repeats)
+    owned_ms, owned_cpu_ms, _ = _timed(lambda: template.render_owned(messages), repeats)
+    return {
+        "messages": len(messages),
+        "characters": len(text),
+        "render_plain_ms": round(plain_ms, 3),
+        "render_owned_ms": round(owned_ms, 3),
+        "render_plain_cpu_ms": round(plain_cpu_ms, 3),
+        "render_owned_cpu_ms": round(owned_cpu_ms, 3),
+        "owned_vs_plain_cpu": round(owned_cpu_ms / plain_cpu_ms, 2),
+    }
+
+
 def run(n_tokens: int, n_messages: int, dense_messages: int, repeats: int) -> dict[str, Any]:
     scenarios = {
         "plain": (n_messages, None, None),
@@ -79,7 +109,7 @@ def run(n_tokens: int, n_messages: int, dense_messages: int, repeats: int) -> di
             lambda: compile_program(token_ids, owners, rules, n_messages), repeats
         )
         encode_ms, _, data = _timed(lambda: encode_program(program), repeats)
-        decode_ms, _, _ = _timed(lambda: decode_program(data), repeats)
+        decode_ms, decode_cpu_ms, _ = _timed(lambda: decode_program(data), repeats)
         append_ms, _, _ = _timed(lambda: append_generated(program, [1]), repeats)
         results[name] = {
             "messages": n_messages,
@@ -91,6 +121,7 @@ def run(n_tokens: int, n_messages: int, dense_messages: int, repeats: int) -> di
             "compile_cpu_ms": round(compile_cpu_ms, 3),
             "encode_ms": round(encode_ms, 3),
             "decode_ms": round(decode_ms, 3),
+            "decode_cpu_ms": round(decode_cpu_ms, 3),
             "append_1_token_ms": round(append_ms, 3),
             "wire_bytes": len(data),
         }
@@ -105,6 +136,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200_000)
     parser.add_argument("--messages", type=int, default=4_000)
     parser.add_argument("--dense-messages", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=1_000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -116,6 +148,7 @@ def main() -> None:
         "statistic": "median ms (wall unless named cpu)",
         "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "scenarios": run(args.tokens, args.messages, args.dense_messages, args.repeats),
+        "provenance": run_provenance(args.calls, args.repeats),
     }
     text = json.dumps(report, indent=2)
     print(text)

@@ -30,6 +30,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _MARK_FN = "akvprovenancemark"
+_MARK_FILTER = "akvprovenance"
 _GENERATION_FLAG = "add_generation_prompt"
 _NONE = -1
 _REPLY = -2
@@ -84,6 +85,12 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+@jinja2.pass_context
+def _mark_filter(context: jinja2.runtime.Context, value: Any, candidates: tuple[Any, ...], reply: bool) -> str:
+    """Forward to the render's marker (filters are called directly, without the sandbox's call check)."""
+    return context.get(_MARK_FN)(value, candidates, reply)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The environment transformers' ``apply_chat_template`` renders with."""
     env = ImmutableSandboxedEnvironment(
@@ -92,6 +99,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.filters[_MARK_FILTER] = _mark_filter
     return env
 
 
@@ -264,7 +272,7 @@ class _Instrumenter:
         if isinstance(child, nodes.TemplateData):
             child = nodes.Const(child.data)
         candidates = nodes.Tuple([nodes.Name(name, "load") for name in scope], "load")
-        return nodes.Call(nodes.Name(_MARK_FN, "load"), [child, candidates, nodes.Const(reply)], [], None, None)
+        return nodes.Filter(child, _MARK_FILTER, [candidates, nodes.Const(reply)], [], None, None)
 
 
 def _requires_generation(test: nodes.Node) -> bool:
@@ -287,38 +295,26 @@ def _target_names(target: nodes.Node) -> tuple[str, ...]:
 
 def _strip_markers(raw: str, nonce: str, n_messages: int) -> tuple[str, np.ndarray]:
     """Remove the markers; per character, the innermost owned marker (-1 none, ``n_messages`` reply)."""
-    pattern = re.compile(f"\x00{nonce}(?:B(-?[0-9]+)|E)\x00")
-    pieces: list[str] = []
-    owners: list[np.ndarray] = []
+    parts = re.split(f"\x00{nonce}(B-?[0-9]+|E)\x00", raw)
+    texts = parts[0::2]
+    owners = [_NONE]
     stack: list[int] = []
     current = _NONE
-    pos = 0
-    for match in pattern.finditer(raw):
-        piece = raw[pos : match.start()]
-        if piece:
-            pieces.append(piece)
-            owners.append(np.full(len(piece), current, dtype=np.int64))
-        pos = match.end()
-        if match.group(1) is not None:
-            code = int(match.group(1))
-            stack.append(current)
-            if code == _REPLY:
-                current = n_messages
-            elif code != _NONE:
-                current = code
-        elif stack:
+    for tag in parts[1::2]:
+        if tag == "E":
+            if not stack:
+                raise ProvenanceError("chat_template: output markers are unbalanced; a filter rewrote template output")
             current = stack.pop()
         else:
-            raise ProvenanceError("chat_template: output markers are unbalanced; a filter rewrote template output")
-    if stack or "\x00" + nonce in raw[pos:]:
+            stack.append(current)
+            code = int(tag[1:])
+            current = n_messages if code == _REPLY else current if code == _NONE else code
+        owners.append(current)
+    text = "".join(texts)
+    if stack or "\x00" + nonce in text:
         raise ProvenanceError("chat_template: output markers are unbalanced; a filter rewrote template output")
-    tail = raw[pos:]
-    if tail:
-        pieces.append(tail)
-        owners.append(np.full(len(tail), current, dtype=np.int64))
-    text = "".join(pieces)
-    char_owners = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int64)
-    return text, char_owners
+    lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+    return text, np.repeat(np.asarray(owners, dtype=np.int64), lengths)
 
 
 def _settle_owners(char_owners: np.ndarray, text: str, n_messages: int) -> np.ndarray:
