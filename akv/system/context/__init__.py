@@ -1,1 +1,11 @@
-"""Engine-agnostic context core: wire rules, token provenance, the event compiler and its program."""
+"""Engine-agnostic context core: wire rules, token provenance, the event compiler and its program.
+
+Modules (import them directly; this package re-exports nothing, so importing ``program`` stays light):
+
+- ``rules``: ``parse_rules(drop_message, reposition, n_messages) -> ContextRules``; ``RuleError`` family.
+- ``provenance``: ``ChatTemplate.render_owned``, ``token_provenance``, ``prompt_provenance``.
+- ``compiler``: ``compile_program(token_ids, owners, rules, n_messages)``, ``append_generated``.
+- ``program``: the immutable ``ContextProgram`` with its ``Event`` and ``Transition`` records.
+- ``wire``: ``encode_program`` / ``decode_program`` (compact bytes, validated on decode).
+- ``request``: ``compile_request`` (rules, then provenance, then compiler, for one chat request).
+"""
