@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from akv.system.kernels.kv_indices import KeepMask, decode_kv_indices  # noqa: E402
-from akv.system.kernels.layer_buffers import LayerBuffers  # noqa: E402
-from akv.system.kernels.rerotate import RerotateLaunch, rerotate_kv  # noqa: E402
-from akv.system.kernels.rope_spec import RopeSpec, RopeTable  # noqa: E402
+from akv.system.kernels.kv_indices import KeepMask, decode_kv_indices
+from akv.system.kernels.layer_buffers import LayerBuffers
+from akv.system.kernels.rerotate import RerotateLaunch, rerotate_kv
+from akv.system.kernels.rope_spec import RopeSpec, RopeTable
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 36, 8, 32, 128
 QWEN3 = RopeSpec(theta=1_000_000.0, head_dim=HEAD_DIM, rotary_dim=HEAD_DIM)
@@ -177,8 +178,8 @@ def bench_decode_attention(batches: list[int], lives: list[int], device: torch.d
                     splits = torch.full((batch,), max_splits, dtype=torch.int32, device=device)
                     indices64 = indices.long()
                     row[f"triton_{layout}_ms"] = timed_ms(
-                        lambda: decode(q, k_pool, v_pool, out, indptr, indices64, logits, lse, splits, max_splits,
-                                       1.0 / math.sqrt(HEAD_DIM), 1.0, 1.0),
+                        partial(decode, q, k_pool, v_pool, out, indptr, indices64, logits, lse, splits, max_splits,
+                                1.0 / math.sqrt(HEAD_DIM), 1.0, 1.0),
                         device,
                     )
                 if flashinfer is not None:
@@ -186,7 +187,7 @@ def bench_decode_attention(batches: list[int], lives: list[int], device: torch.d
                     wrapper.plan(indptr, indices, torch.ones(batch, dtype=torch.int32, device=device), Q_HEADS,
                                  KV_HEADS, HEAD_DIM, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
                     paged = (k_pool.view(slots, 1, KV_HEADS, HEAD_DIM), v_pool.view(slots, 1, KV_HEADS, HEAD_DIM))
-                    row[f"flashinfer_{layout}_ms"] = timed_ms(lambda: wrapper.run(q, paged), device)
+                    row[f"flashinfer_{layout}_ms"] = timed_ms(partial(wrapper.run, q, paged), device)
             for backend in ("triton", "flashinfer"):
                 if f"{backend}_scattered_ms" in row:
                     row[f"{backend}_scattered_over_contiguous"] = row[f"{backend}_scattered_ms"] / row[f"{backend}_contiguous_ms"]
@@ -231,7 +232,7 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     result: dict[str, Any] = {
         "command": " ".join(["python", "bench/kernels.py", *argv]),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__,
         "triton": triton.__version__,

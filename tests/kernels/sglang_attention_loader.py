@@ -13,9 +13,9 @@ import sys
 import tempfile
 import types
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -73,7 +73,7 @@ def _from_files(directory: Path) -> SglangAttention:
             spec.loader.exec_module(module)
             loaded[name] = module
     finally:
-        for name in list(_FILES):
+        for name in _FILES:
             sys.modules.pop(f"{_PACKAGE}.{name}", None)
         for name, module in saved.items():
             if module is None:

@@ -120,7 +120,7 @@ def test_same_position_copies_bits_and_in_place_leaves_slot_alone(device):
     v_pool = [t.to(device) for t in random_pool(2, 16, 2, 16, torch.bfloat16, seed=7)]
     before_k = [t.clone() for t in k_pool]
     before_v = [t.clone() for t in v_pool]
-    dev = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    dev = lambda x: torch.tensor(x, device=device)
     rerotate_kv(LayerBuffers.of(k_pool), LayerBuffers.of(v_pool), dev([1, 2, 3]), dev([9, 2, 10]),
                 dev([40, 41, 42]), dev([40, 41, 7]), RopeTable.build(spec, 64, device))
     for layer in range(2):
@@ -139,7 +139,7 @@ def test_in_place_rotation_keeps_v_and_tail(device):
     v_pool = [t.to(device) for t in random_pool(2, 8, 2, 16, torch.float32, seed=9)]
     before_k = [t.clone() for t in k_pool]
     before_v = [t.clone() for t in v_pool]
-    dev = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    dev = lambda x: torch.tensor(x, device=device)
     rerotate_kv(LayerBuffers.of(k_pool), LayerBuffers.of(v_pool), dev([3]), dev([3]), dev([30]), dev([2]),
                 RopeTable.build(spec, 64, device))
     for layer in range(2):

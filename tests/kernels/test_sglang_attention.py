@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import sglang_attention_loader
 import torch
 
 from akv.system.kernels.kv_indices import KeepMask, decode_kv_indices, extend_kv_indices
-
-import sglang_attention_loader
 
 # SGLang's kernels compute with -inf for fully masked blocks; numpy warns about it under the interpreter.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

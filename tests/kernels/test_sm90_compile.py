@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def compiled() -> dict[str, dict[str, int]]:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, str(SCRIPT)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)
 

@@ -314,7 +314,7 @@ def _column_arguments(
             raise ValueError(f"{name} must be int32 or int64, got {table.dtype}")
         query = _as_entries(visibility.query_index, "VisibleUntil.query_index", n_entries, device)
     else:
-        raise ValueError(f"visibility must be KeepMask, VisibleUntil, HiddenRanges or None, got {type(visibility).__name__}")
+        raise TypeError(f"visibility must be KeepMask, VisibleUntil, HiddenRanges or None, got {type(visibility).__name__}")
     if table.dim() != 2 or table.stride(1) != 1 or table.device != device:
         raise ValueError(f"{name} must be a 2-D table with contiguous rows on {device}, got {tuple(table.shape)} on {table.device}")
     rows = _as_entries(visibility.rows, f"{type(visibility).__name__}.rows", n_entries, device)

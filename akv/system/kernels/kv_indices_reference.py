@@ -28,7 +28,7 @@ def visible_columns(kv_lens: torch.Tensor, visibility: Visibility, width: int,
         hidden.index_add_(0, owner, hidden_by_range.int())
         visible = hidden == 0
     else:
-        raise ValueError(f"visibility must be KeepMask, VisibleUntil, HiddenRanges or None, got {type(visibility).__name__}")
+        raise TypeError(f"visibility must be KeepMask, VisibleUntil, HiddenRanges or None, got {type(visibility).__name__}")
     if forced_from is not None:
         visible = visible | (cols >= forced_from[:, None])
     return visible & (cols < kv_lens[:, None])
