@@ -6,7 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from akv.system.adapter.serving import UnsupportedContextRequest, prepare_context_request
+from akv.system.adapter.serving import (
+    UnsupportedContextRequest,
+    compile_context_program,
+    prepare_context_request,
+)
 from akv.system.context.rules import ContextRules, Drop
 
 MESSAGES = [{"role": "user", "content": str(i)} for i in range(4)]
@@ -16,6 +20,7 @@ GOOD_SERVER = dict(page_size=1, attention_backend="triton", prefill_attention_ba
 
 def _serving(chat_template_name: str | None = None, **server: object) -> SimpleNamespace:
     return SimpleNamespace(
+        chat_encoding_spec=None,
         template_manager=SimpleNamespace(chat_template_name=chat_template_name),
         tokenizer_manager=SimpleNamespace(server_args=SimpleNamespace(**{**GOOD_SERVER, **server})),
     )
@@ -70,3 +75,67 @@ def test_unsupported_server_setups_are_refused(template: str | None, server: dic
 
 def test_refusals_are_value_errors_so_sglang_answers_400() -> None:
     assert issubclass(UnsupportedContextRequest, ValueError)
+
+
+def test_custom_encoder_is_refused() -> None:
+    serving = _serving()
+    serving.chat_encoding_spec = "dsv4"
+    with pytest.raises(UnsupportedContextRequest, match="chat_template: the custom encoder 'dsv4'"):
+        prepare_context_request(serving, _request(reposition=[1]), False)
+
+
+# ----------------------------------------------------------------- program compilation ---
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                          "parameters": {"type": "object",
+                                                         "properties": {"word": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What does cache mean?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": {"word": "cache"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "a store of things kept for later use"},
+    {"role": "user", "content": "And prefix?"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
+
+    from akv.system.models.tiny import make_tiny_model
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny"), vocab_size=1024, weights=False)
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _server_prompt_ids(tokenizer) -> list[int]:
+    """What SGLang's jinja path produces: render to text, then encode once."""
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_program_is_compiled_from_the_servers_prompt(tokenizer) -> None:
+    prompt_ids = _server_prompt_ids(tokenizer)
+    request = _request(messages=CONVERSATION, drop_message={"3": [3]}, reposition=[3])
+    program = compile_context_program(request, tokenizer, CONVERSATION, TOOLS, {}, prompt_ids)
+    assert program.token_ids.tolist() == prompt_ids and program.n_prompt == len(prompt_ids)
+    assert [e.kind.name for e in program.events] == ["DROP", "REPOS"]
+    hidden = [t for t in range(program.n_prompt) if not program.keep[t]]
+    assert hidden and hidden == list(range(hidden[0], hidden[-1] + 1))
+    assert "a store of things kept for later use" in tokenizer.decode([prompt_ids[t] for t in hidden])
+    after = tokenizer.decode(prompt_ids[hidden[-1] + 1:])
+    assert "And prefix?" in after and "a store of things" not in after
+    assert program.next_position == int(program.keep.sum())
+
+
+def test_plain_request_compiles_nothing() -> None:
+    assert compile_context_program(_request(), None, MESSAGES, None, {}, [1, 2, 3]) is None
+
+
+def test_prompt_that_provenance_cannot_reproduce_is_refused(tokenizer) -> None:
+    prompt_ids = _server_prompt_ids(tokenizer)
+    tampered = prompt_ids[:5] + [prompt_ids[5] + 1] + prompt_ids[6:]
+    request = _request(messages=CONVERSATION, reposition=[2])
+    with pytest.raises(UnsupportedContextRequest, match="chat_template: .* differs from the server's prompt at token 5"):
+        compile_context_program(request, tokenizer, CONVERSATION, TOOLS, {}, tampered)

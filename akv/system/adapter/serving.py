@@ -1,4 +1,5 @@
-"""Hooks for the patched ``serving_chat.py``: admit or refuse a context request before it is queued."""
+"""Hooks for the patched ``serving_chat.py``: admit or refuse a context request, then compile its
+program from the very prompt SGLang rendered."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import logging
 from typing import Any
 
 from akv.system.adapter.protocol import request_rules
+from akv.system.context.compiler import compile_program
+from akv.system.context.program import ContextProgram
+from akv.system.context.provenance import prompt_provenance
 from akv.system.context.rules import ContextRules
 
 logger = logging.getLogger(__name__)
@@ -28,13 +32,43 @@ def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> 
     rules = request_rules(request)
     if rules is None:
         return None
-    _check_request_mode(request, is_multimodal, serving.template_manager.chat_template_name)
+    _check_request_mode(request, is_multimodal)
+    _check_renderer(serving.template_manager.chat_template_name, serving.chat_encoding_spec)
     _check_server(serving.tokenizer_manager.server_args)
     _warn_not_executed_once()
     return rules
 
 
-def _check_request_mode(request: Any, is_multimodal: bool, chat_template_name: str | None) -> None:
+def compile_context_program(
+    request: Any,
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+    prompt_ids: list[int],
+) -> ContextProgram | None:
+    """The program of a context request (None for a plain one), from the exact template inputs
+    SGLang rendered: its normalised ``messages``, ``tools`` and extra template variables.
+
+    The attributed render must reproduce ``prompt_ids`` token for token, else
+    :class:`UnsupportedContextRequest`; template ownership problems raise ``ProvenanceError``.
+    """
+    rules = request_rules(request)
+    if rules is None:
+        return None
+    provenance = prompt_provenance(tokenizer, messages, tools=tools, **template_kwargs)
+    expected = [int(t) for t in prompt_ids]
+    got = provenance.token_ids.tolist()
+    if got != expected:
+        at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        raise UnsupportedContextRequest(
+            f"chat_template: the attributed render differs from the server's prompt at token {at} "
+            f"(lengths {len(got)} vs {len(expected)}); drop_message/reposition cannot be placed"
+        )
+    return compile_program(provenance.token_ids, provenance.owners, rules, len(messages))
+
+
+def _check_request_mode(request: Any, is_multimodal: bool) -> None:
     if request.n != 1:
         raise UnsupportedContextRequest(f"n: drop_message/reposition need n == 1, got {request.n!r}")
     if request.input_ids is not None:
@@ -47,9 +81,17 @@ def _check_request_mode(request: Any, is_multimodal: bool, chat_template_name: s
         )
     if is_multimodal:
         raise UnsupportedContextRequest("model: drop_message/reposition are not supported for multimodal models")
+
+
+def _check_renderer(chat_template_name: str | None, chat_encoding_spec: str | None) -> None:
     if chat_template_name is not None:
         raise UnsupportedContextRequest(
             f"chat_template: the built-in template {chat_template_name!r} is not supported with "
+            "drop_message/reposition; serve with the model's own jinja template"
+        )
+    if chat_encoding_spec is not None:
+        raise UnsupportedContextRequest(
+            f"chat_template: the custom encoder {chat_encoding_spec!r} is not supported with "
             "drop_message/reposition; serve with the model's own jinja template"
         )
 
@@ -72,6 +114,6 @@ def _check_server(server_args: Any) -> None:
 @functools.cache
 def _warn_not_executed_once() -> None:
     logger.warning(
-        "AKV: drop_message/reposition are validated but not yet executed on the KV cache; "
+        "AKV: drop_message/reposition are validated and compiled but not yet executed on the KV cache; "
         "context requests are served like plain ones until the scheduler integration lands"
     )

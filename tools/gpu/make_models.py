@@ -1,0 +1,48 @@
+"""Write the two model folders a GPU run serves: a tiny Qwen3 with random safetensors weights (the
+oracle loads the very same file) and a Qwen3-8B-shaped folder without weights (``--load-format dummy``).
+
+Usage: ``python tools/gpu/make_models.py --tiny DIR --qwen3-8b DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from akv.system.models.tiny import make_tiny_model
+
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, rope_theta=1_000_000.0,
+    max_position_embeddings=32768,
+)
+"""Head shapes as in devicekit's tiny model, whose kernels its jitcache already holds."""
+
+QWEN3_8B_SHAPE: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", type=Path, required=True)
+    parser.add_argument("--qwen3-8b", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    make_tiny_model(args.tiny, arch="qwen3", seed=args.seed, dtype="bfloat16", **TINY_SHAPE)
+    make_tiny_model(args.qwen3_8b, arch="qwen3", seed=args.seed, dtype="bfloat16", weights=False, **QWEN3_8B_SHAPE)
+    for folder in (args.tiny, args.qwen3_8b):
+        config = json.loads((folder / "config.json").read_text())
+        print(f"{folder}: {config['architectures'][0]} layers={config['num_hidden_layers']} "
+              f"hidden={config['hidden_size']} vocab={config['vocab_size']} "
+              f"weights={'yes' if (folder / 'model.safetensors').exists() else 'dummy'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
