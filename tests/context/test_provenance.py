@@ -269,6 +269,7 @@ def test_generation_prompt_detection_follows_the_test_expression() -> None:
     one = [{"role": "user", "content": "a"}]
     guarded = ChatTemplate(loop + "{% if add_generation_prompt is defined and add_generation_prompt %}G{% endif %}")
     assert guarded.render_owned(one).char_owners.tolist() == [0, 1]
+    assert ChatTemplate(loop + "{% if add_generation_prompt is true %}G{% endif %}").render_owned(one).char_owners[1] == 1
     negated = ChatTemplate(loop + "{% if not add_generation_prompt %}E{% endif %}")
     with pytest.raises(ProvenanceError, match=r"character 1 \('E'\) is emitted outside any message loop"):
         negated.render_owned(one, add_generation_prompt=False)

@@ -276,12 +276,12 @@ class _Instrumenter:
 
 
 def _requires_generation(test: nodes.Node) -> bool:
-    """True when ``test`` can only hold with ``add_generation_prompt`` set (a bare reference,
-    ``is true``/``is defined`` tests of it, or a conjunction containing one)."""
+    """True when ``test`` can only hold with ``add_generation_prompt`` set (a bare reference, an
+    ``is true`` test of it, or a conjunction containing one)."""
     if isinstance(test, nodes.Name):
         return test.name == _GENERATION_FLAG
     if isinstance(test, nodes.Test):
-        return test.name in ("true", "defined") and _requires_generation(test.node)
+        return test.name == "true" and _requires_generation(test.node)
     if isinstance(test, nodes.And):
         return _requires_generation(test.left) or _requires_generation(test.right)
     return False
