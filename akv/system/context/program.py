@@ -6,12 +6,13 @@ Vocabulary (DESIGN.md §1):
   ``birth_stage[t]``; its query uses position ``birth_position[t]``.
 - Events are applied between tokens. ``Event.at`` is the number of tokens already appended when
   the event applies (it acts after token ``at - 1`` and before token ``at``). Events are ordered by
-  ``at`` and, at equal ``at``, by their order in the request (Drop before Repos at one boundary).
+  anchor message (so by ``at``), and at one anchor the Drop comes before the Repos.
 - The *stage* of a point in the stream is the number of events applied so far; event ``i`` moves the
   stream from stage ``i`` to stage ``i + 1``.
 - A Drop hides its tokens from every query appended after it; ``visible_until[t]`` is the first
-  query index that no longer sees token ``t`` (``n_tokens`` sentinel = never hidden in the prompt;
-  generation queries see exactly the tokens with ``keep[t]``).
+  query index that no longer sees token ``t`` (``n_tokens`` for tokens no Drop hides, which is also
+  the value a Drop anchored at the end of a prompt without reply tokens gives; use ``keep[t]`` for
+  what generated tokens see).
 - A Repos gives the visible keys positions ``0 .. r-1`` in order; the next append continues at
   ``r``. ``transitions`` holds one entry per Repos (in event order) with the old and new positions
   of the visible tokens whose position changes; tokens already at their compact position are
