@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from akv.system.kernels import kv_indices, rerotate
+from akv.system.kernels import kv_indices, launch_device, rerotate
 from akv.system.kernels.kv_indices import HiddenRanges, KeepMask, VisibleUntil
 from akv.system.kernels.layer_buffers import LayerBuffers
 from akv.system.kernels.rope_spec import RopeSpec, RopeTable
@@ -101,6 +101,7 @@ def _rerotation(name: str, dtype: torch.dtype, n_copies: int, layers: int, heads
 
 
 def run() -> dict[str, dict[str, int]]:
+    launch_device.INTERPRETED = True  # launches are intercepted, so CPU tensors are fine here
     results = dict(
         _rerotation(f"rerotate_qwen3_8b_{str(dtype)[6:]}_{n}", dtype, n, 36, 8, 128, 128, True)
         for dtype in (torch.bfloat16, torch.float16, torch.float32)

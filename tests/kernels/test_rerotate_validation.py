@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,3 +91,17 @@ def test_launch_shape_and_table_checks():
         RopeTable(SPEC, torch.zeros(10, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"rotary_dim=8\] with a contiguous"):
         RopeTable(SPEC, torch.zeros(10, 6))
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused():
+    script = (
+        "import torch\n"
+        "from akv.system.kernels import LayerBuffers, RopeSpec, RopeTable, rerotate_kv\n"
+        "k = LayerBuffers.of([torch.zeros(4, 1, 8)])\n"
+        "t = torch.tensor\n"
+        "rerotate_kv(k, k, t([1]), t([2]), t([0]), t([1]), RopeTable.build(RopeSpec(1e4, 8, 8), 4))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert "ValueError: k is on cpu, where these Triton kernels cannot run (set TRITON_INTERPRET=1" in done.stderr

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from akv.system.kernels.launch_device import check_launchable
+
 _BLOCK = 1024
 _MODE_ALL = 0
 _MODE_KEEP = 1
@@ -247,6 +249,7 @@ def visible_kv_indices(
     friendly); without it the exact size is read back once. ``validate=False`` skips the checks
     that read tensors back to the host."""
     device = req_to_token.device
+    check_launchable(req_to_token, "req_to_token")
     if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64) or req_to_token.stride(1) != 1:
         raise ValueError(
             f"req_to_token must be a 2-D int32/int64 table with contiguous rows, got {req_to_token.dtype} "

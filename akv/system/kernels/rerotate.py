@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from akv.system.kernels.launch_device import check_launchable
 from akv.system.kernels.layer_buffers import LayerBuffers
 from akv.system.kernels.rope_spec import RopeTable
 
@@ -225,6 +226,7 @@ def rerotate_kv(
 
     ``validate=False`` skips ``check_copies`` (and its host synchronisation) for callers that built
     the copy list themselves."""
+    check_launchable(k.base, "k")
     if validate:
         check_copies(k, v, src, dst, old_positions, new_positions, rope)
     n_copies = int(src.shape[0])
