@@ -18,8 +18,11 @@ def _is_int(value: object) -> bool:
     return type(value) is int
 
 
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=repr)
+
+
 def _canonical(value: object) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr).encode("ascii")
+    return _ENCODER.encode(value).encode("ascii")
 
 
 EMPTY_PREFIX = hashlib.sha256(b"akv.agent message prefix").hexdigest()
@@ -29,7 +32,9 @@ def extend_digest(digest: str, messages: Iterable[object]) -> str:
     """The prefix digest after appending `messages` to a prefix whose digest is `digest`
     (start from EMPTY_PREFIX); each step hashes the previous digest and one message's canonical JSON."""
     for message in messages:
-        digest = hashlib.sha256(digest.encode("ascii") + _canonical(message)).hexdigest()
+        h = hashlib.sha256(digest.encode("ascii"))
+        h.update(_canonical(message))
+        digest = h.hexdigest()
     return digest
 
 
