@@ -8,8 +8,8 @@ without events has exactly the plain token-id key (the ordinary namespace, as in
 - Repos: ``REPOS``.
 
 A token's position is not stored: it is a function of the records before it. Events that change
-nothing (a Drop hiding no token, a Repos of an already compact cache) produce no record, because
-the KV after them is the same as without them.
+nothing (a Drop hiding no token, a Repos with no Drop since the previous Repos) produce no record,
+because the KV after them is the same as without them.
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ def plain_key(token_ids: np.ndarray, namespace: str = "") -> RecordKey:
 
 def program_key(program: ContextProgram, namespace: str = "") -> RecordKey:
     """Key of a compiled program: its tokens with the effective events inserted where they apply."""
-    moved = {t.event: t.tokens.size for t in program.transitions}
     pieces: list[np.ndarray] = []
     token_record: list[np.ndarray] = []
     done = 0
     length = 0
-    for index, event in enumerate(program.events):
-        records = _event_records(event.kind, event.ranges, moved.get(index, 0))
+    gap = False
+    for event in program.events:
+        records = _event_records(event.kind, event.ranges, gap)
+        gap = (gap or bool(event.ranges)) and event.kind is not EventKind.REPOS
         if records.size == 0:
             continue
         pieces.append(program.token_ids[done : event.at])
@@ -89,9 +90,10 @@ def program_key(program: ContextProgram, namespace: str = "") -> RecordKey:
     )
 
 
-def _event_records(kind: EventKind, ranges: tuple[tuple[int, int], ...], moved: int) -> np.ndarray:
+def _event_records(kind: EventKind, ranges: tuple[tuple[int, int], ...], gap: bool) -> np.ndarray:
+    """Records of one event; a Repos counts only when a Drop hid something since the last one."""
     if kind is EventKind.REPOS:
-        return np.array([REPOS] if moved else [], dtype=np.int64)
+        return np.array([REPOS] if gap else [], dtype=np.int64)
     if not ranges:
         return np.zeros(0, dtype=np.int64)
     bounds = -(np.asarray(ranges, dtype=np.int64).reshape(-1) + BOUND_BASE)
