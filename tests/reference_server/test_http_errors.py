@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from akv.agent.errors import ContextLengthError, StreamError
-from akv.agent.transport import send_chat_request
+from akv.agent import send_chat_request
 
 MODEL = "tiny-test"
 CALL = {"id": "c1", "type": "function", "function": {"name": "read_record", "arguments": '{"record_id": "A"}'}}

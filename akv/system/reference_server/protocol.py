@@ -56,7 +56,9 @@ class Sampling:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A validated request. ``messages``/``tools`` are normalised plain JSON (text parts joined)."""
+    """A validated request. ``messages`` are normalised the way SGLang hands them to the chat template
+    (text parts joined, ``content: null`` as ``""``, tool-call arguments JSON-decoded); ``tools`` are the
+    tools to render (none for ``tool_choice: "none"``)."""
 
     model: str
     messages: tuple[dict[str, Any], ...]
@@ -128,7 +130,7 @@ def parse_chat_request(body: Any, served_model: str) -> ChatRequest:
     return ChatRequest(
         model=model,
         messages=messages,
-        tools=tools,
+        tools=tools if tool_choice == "auto" else (),
         rules=rules,
         is_context=is_context,
         sampling=_sampling(body),
@@ -166,6 +168,8 @@ def _messages(value: Any) -> tuple[dict[str, Any], ...]:
         for key in ("name", "tool_call_id"):
             if raw.get(key) is not None:
                 message[key] = _string(raw[key], f"{field}.{key}")
+        if message["content"] is None:
+            message["content"] = ""  # as SGLang hands it to the template
         out.append(message)
     return tuple(out)
 
@@ -197,11 +201,13 @@ def _tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
-                json.loads(arguments)
+                arguments = json.loads(arguments)  # templates receive decoded arguments, as in SGLang
             except json.JSONDecodeError as exc:
                 raise RequestError(f"{item}.function.arguments", _short(arguments), f"not valid JSON ({exc.msg})") from exc
         elif not isinstance(arguments, Mapping):
             raise RequestError(f"{item}.function.arguments", _short(arguments), "expected a JSON string or an object")
+        else:
+            arguments = dict(arguments)
         calls.append({
             "id": _string(call.get("id", f"call_{j}"), f"{item}.id"),
             "type": "function",
