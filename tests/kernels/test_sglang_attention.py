@@ -18,8 +18,10 @@ from akv.system.kernels.kv_indices import KeepMask, decode_kv_indices, extend_kv
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 KV_HEADS, Q_HEADS, HEAD_DIM = 2, 4, 32
-# fp32 everywhere; on CUDA the kernels' tl.dot runs in TF32, hence the looser bound there.
-TOLERANCE = {"atol": 1e-2, "rtol": 1e-2} if torch.cuda.is_available() else {"atol": 2e-5, "rtol": 1e-5}
+# fp32 under the interpreter; bf16 (what SGLang serves) on CUDA, hence the looser bound there. The
+# dense reference runs in float64 on the same rounded values.
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+TOLERANCE = {"atol": 3e-2, "rtol": 3e-2} if torch.cuda.is_available() else {"atol": 2e-5, "rtol": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +64,8 @@ def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, c
 
 def make_pool(n_slots: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(n_slots, KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(n_slots, KV_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(n_slots, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    v = torch.randn(n_slots, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     return k.to(device), v.to(device)
 
 
@@ -75,14 +77,14 @@ def test_decode_attention_reads_only_visible_slots(sglang, device):
     req_to_token = torch.randperm(n_slots - 1, generator=gen)[: 3 * width].add(1).view(3, width).int()
     keep = torch.rand(3, width, generator=gen) < 0.5
     rows = torch.tensor([2, 0, 1])
-    q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
 
     lists = decode_kv_indices(
         req_to_token.to(device), rows.to(device), seq_lens.to(device), KeepMask(keep.to(device), rows.to(device)),
         index_dtype=torch.int64,
     )
     max_splits = 4
-    out = torch.empty(3, Q_HEADS, HEAD_DIM, device=device)
+    out = torch.empty(3, Q_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     sglang.decode_attention_fwd(
         q.to(device), k_pool, v_pool, out, lists.kv_indptr, lists.kv_indices,
         torch.empty(3, Q_HEADS, max_splits, HEAD_DIM, device=device),
@@ -111,7 +113,7 @@ def test_extend_attention_segments_see_their_own_stage(sglang, device):
     keep[1, 12:14] = False
     rows = torch.tensor([0, 0])
 
-    q = torch.randn(int(extend_lens.sum()), Q_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(int(extend_lens.sum()), Q_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     meta = extend_kv_indices(
         req_to_token.to(device), rows.to(device), prefix_lens.to(device), extend_lens.to(device),
         KeepMask(keep.to(device), torch.arange(2, device=device)), include_extend=False, index_dtype=torch.int64,
