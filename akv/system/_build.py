@@ -448,10 +448,16 @@ def build(
 
 
 def export_overlay(result: BuildResult, dest: Path) -> list[str]:
-    """Copy the built wheel's changed files into ``dest`` in site-packages layout (SITE_OVERLAY)."""
+    """Copy the built wheel's changed files into ``dest`` in site-packages layout (SITE_OVERLAY).
+
+    ``dest`` must be absent, empty or an earlier overlay (holding only ``sglang/``), which is replaced.
+    """
     if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
+        foreign = sorted(p.name for p in dest.iterdir() if p.name != "sglang")
+        if foreign:
+            raise BuildError(f"--overlay-out: {dest} holds other files ({', '.join(foreign[:5])}); give an empty folder")
+        shutil.rmtree(dest / "sglang", ignore_errors=True)
+    dest.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(result.wheel) as zf:
         for rel in result.changed_files:
             target = dest / rel

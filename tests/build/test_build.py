@@ -96,7 +96,9 @@ def test_rebuild_is_skipped_and_fresh_builds_are_byte_identical(
     assert fresh.wheel.read_bytes() == patched.wheel.read_bytes()
 
 
-def test_changed_patch_rebuilds(patched: _build.BuildResult, tag: str, tmp_path: Path) -> None:
+def test_changed_inputs_rebuild_and_overlay_files_are_added(
+    patched: _build.BuildResult, tag: str, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(patched.wheel, out / patched.wheel.name)
@@ -104,23 +106,27 @@ def test_changed_patch_rebuilds(patched: _build.BuildResult, tag: str, tmp_path:
     patch.write_text(_build.PATCH_FILE.read_text().replace(
         "+    drop_message: Optional[Dict[str, List[int]]] = None",
         "+    drop_message: Optional[Dict[str, List[int]]] = None  # changed"))
-    result = _build.build(out, tag, patch_file=patch)
-    assert not result.skipped
-    assert b"= None  # changed" in _entries(result.wheel)["sglang/srt/entrypoints/openai/protocol.py"]
-
-
-def test_overlay_files_are_added_and_exported(tag: str, tmp_path: Path) -> None:
     overlay = tmp_path / "overlay"
     (overlay / "sglang" / "srt").mkdir(parents=True)
     (overlay / "sglang" / "srt" / "akv_marker.py").write_text("MARK = 1\n")
-    result = _build.build(tmp_path / "dist", tag, overlay=overlay)
-    assert "sglang/srt/akv_marker.py" in result.changed_files
-    assert _entries(result.wheel)["sglang/srt/akv_marker.py"] == b"MARK = 1\n"
+    result = _build.build(out, tag, patch_file=patch, overlay=overlay)
+    assert not result.skipped
+    entries = _entries(result.wheel)
+    assert b"= None  # changed" in entries["sglang/srt/entrypoints/openai/protocol.py"]
+    assert entries["sglang/srt/akv_marker.py"] == b"MARK = 1\n"
+    assert set(result.changed_files) == PATCHED_FILES | {"sglang/srt/akv_marker.py"}
     exported = _build.export_overlay(result, tmp_path / "site-overlay")
-    assert set(exported) == PATCHED_FILES | {"sglang/srt/akv_marker.py"}
-    with zipfile.ZipFile(result.wheel) as zf:
-        for rel in exported:
-            assert (tmp_path / "site-overlay" / rel).read_bytes() == zf.read(rel)
+    assert set(exported) == set(result.changed_files)
+    for rel in exported:
+        assert (tmp_path / "site-overlay" / rel).read_bytes() == entries[rel]
+    assert _build.build(out, tag, patch_file=patch, overlay=overlay).skipped
+
+
+def test_overlay_export_refuses_a_folder_with_other_files(patched: _build.BuildResult, tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("precious")
+    with pytest.raises(_build.BuildError, match="--overlay-out: .* holds other files \\(keep.txt\\)"):
+        _build.export_overlay(patched, tmp_path)
+    assert (tmp_path / "keep.txt").read_text() == "precious"
 
 
 def test_overlay_outside_the_package_is_refused(tag: str, tmp_path: Path) -> None:
