@@ -282,7 +282,7 @@ def fetch_stock_wheel(tag: str, cache_dir: Path) -> Path:
             "--python-version", tag[2] + "." + tag[3:], "--implementation", "cp", "--abi", tag,
             "--platform", PLATFORM, "--dest", str(cache_dir), f"sglang=={SGLANG_VERSION}",
         ]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not path.exists():
             raise BuildError(
                 f"downloading sglang=={SGLANG_VERSION} for {tag} failed (pip exit {done.returncode}); "
@@ -469,7 +469,9 @@ def export_overlay(result: BuildResult, dest: Path) -> list[str]:
 def install(wheel: Path) -> None:
     """pip-install the wheel into this interpreter without touching its dependencies."""
     print(f"[akv-build] installing {wheel.name} (--no-deps; sglang's own dependencies stay as they are)", flush=True)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)])
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)], check=False
+    )
     if done.returncode != 0:
         raise BuildError(f"pip install {wheel} failed with exit code {done.returncode}")
 

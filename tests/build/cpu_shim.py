@@ -57,7 +57,7 @@ def install() -> None:
     try:
         import torchvision  # noqa: F401
         return
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken torchvision fails in many ways (OSError, RuntimeError, ...)
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
     if any(isinstance(f, _TorchvisionFinder) for f in sys.meta_path):

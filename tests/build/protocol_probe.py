@@ -13,9 +13,9 @@ import cpu_shim
 
 cpu_shim.install()
 
-import sglang  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
-from sglang.srt.entrypoints.openai import protocol  # noqa: E402
+import sglang
+from pydantic import ValidationError
+from sglang.srt.entrypoints.openai import protocol
 
 
 def parse(body: dict) -> dict:

@@ -88,7 +88,7 @@ def test_version_is_read_from_the_package_without_importing_it(tmp_path: Path) -
     (pkg / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
     (pkg / "_version.py").write_text("__version__ = version = '0.5.16+akv'\n__version_tuple__ = (0, 5, 16)\n")
     script = "from akv.system.launch_server import installed_sglang_version as v; print(v())"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False,
                           env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
     assert done.stdout.strip() == "0.5.16+akv", done.stderr
 
@@ -99,7 +99,7 @@ def test_cli_exits_with_message_when_sglang_is_stock(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "_version.py").write_text("__version__ = version = '0.5.16'\n")
     done = subprocess.run([sys.executable, "-m", "akv.system.launch_server", "--model-path", "/m"],
-                          capture_output=True, text=True, cwd=ROOT,
+                          capture_output=True, text=True, cwd=ROOT, check=False,
                           env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 2
     assert "not the AKV build" in done.stderr and ls.BUILD_COMMAND in done.stderr

@@ -14,8 +14,8 @@ from akv.system.adapter.serving import (
 from akv.system.context.rules import ContextRules, Drop
 
 MESSAGES = [{"role": "user", "content": str(i)} for i in range(4)]
-GOOD_SERVER = dict(page_size=1, attention_backend="triton", prefill_attention_backend=None,
-                   decode_attention_backend=None)
+GOOD_SERVER = {"page_size": 1, "attention_backend": "triton", "prefill_attention_backend": None,
+               "decode_attention_backend": None}
 
 
 def _serving(chat_template_name: str | None = None, **server: object) -> SimpleNamespace:
@@ -27,8 +27,8 @@ def _serving(chat_template_name: str | None = None, **server: object) -> SimpleN
 
 
 def _request(**fields: object) -> SimpleNamespace:
-    base = dict(messages=MESSAGES, drop_message=None, reposition=None, n=1, input_ids=None,
-                continue_final_message=False)
+    base = {"messages": MESSAGES, "drop_message": None, "reposition": None, "n": 1, "input_ids": None,
+            "continue_final_message": False}
     return SimpleNamespace(**{**base, **fields})
 
 

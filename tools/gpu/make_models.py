@@ -14,18 +14,18 @@ from typing import Any
 
 from akv.system.models.tiny import make_tiny_model
 
-TINY_SHAPE: dict[str, Any] = dict(
-    vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, tie_word_embeddings=True, rope_theta=1_000_000.0,
-    max_position_embeddings=32768,
-)
+TINY_SHAPE: dict[str, Any] = {
+    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True,
+    "rope_theta": 1_000_000.0, "max_position_embeddings": 32768,
+}
 """Head shapes as in devicekit's tiny model, whose kernels its jitcache already holds."""
 
-QWEN3_8B_SHAPE: dict[str, Any] = dict(
-    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-)
+QWEN3_8B_SHAPE: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
+    "rope_theta": 1_000_000.0, "max_position_embeddings": 40960,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
