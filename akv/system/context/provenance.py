@@ -162,6 +162,7 @@ class ChatTemplate:
                 f"({text[at:at + 20]!r} vs {plain[at:at + 20]!r}); a filter rewrote template output"
             )
         owners = _settle_owners(char_owners, text, len(messages))
+        _check_rendered_elsewhere(messages, owners, text)
         return OwnedText(text=text, char_owners=owners, n_messages=len(messages))
 
 
@@ -339,6 +340,19 @@ def _settle_owners(char_owners: np.ndarray, text: str, n_messages: int) -> np.nd
         )
     char_owners.flags.writeable = False
     return char_owners
+
+
+def _check_rendered_elsewhere(messages: Sequence[Mapping[str, Any]], owners: np.ndarray, text: str) -> None:
+    """A later message that owns nothing yet whose content is in the prompt was rendered outside its
+    loop (e.g. folded into the preamble): its text would silently count as another message's."""
+    owning = set(np.unique(owners).tolist())
+    for i in range(1, len(messages)):
+        content = messages[i].get("content")
+        if i not in owning and isinstance(content, str) and content and content in text:
+            raise ProvenanceError(
+                f"messages[{i}]: its content is rendered outside a message loop, so no characters are "
+                "attributed to it; ownership would be a guess"
+            )
 
 
 def _token_owners(offsets: np.ndarray, owned: OwnedText) -> tuple[np.ndarray, np.ndarray]:
