@@ -9,7 +9,8 @@ equal the plain render, and the plain text is encoded once, as SGLang does
 (``add_special_tokens=False``). A token takes the owner of its first character; tokens whose
 characters span two owners are reported in ``boundary_tokens``. Anything else that would need a
 guess (unowned text between messages, messages rendered out of order, one message object listed
-twice, markers mangled by a template filter) raises :class:`ProvenanceError`.
+twice, a later message's content rendered outside the message loop, markers mangled by a template
+filter) raises :class:`ProvenanceError`.
 """
 
 from __future__ import annotations
