@@ -1,6 +1,9 @@
-"""Shared pytest setup: GPU tests skip, with a reason, where no CUDA device is present."""
+"""Shared pytest setup: GPU tests skip, with a reason, where no CUDA device is present, and Triton
+kernels run in interpreter mode there (set before any kernel module is imported)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -11,6 +14,10 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,15 +1,9 @@
-"""Kernel tests: Triton runs in interpreter mode where no CUDA device exists (set before any kernel
-module is imported); ``device`` is where the kernels run."""
+"""Kernel tests: ``device`` is where the kernels run (the root conftest sets TRITON_INTERPRET on CPU)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
