@@ -15,7 +15,8 @@ from akv.agent import (
     TurnSelection,
     TurnTrigger,
 )
-from tests.agent.conversations import call, payload, result
+
+from .conversations import call, payload, result
 
 POLICY = CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(1), reposition=TurnReposition(after=2, every=2))
 

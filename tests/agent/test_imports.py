@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from akv.agent import CachePolicy, TurnReposition, TurnSelection, extra_body
-from tests.agent.conversations import call, payload, result
+
+from .conversations import call, payload, result
 
 THIRD_PARTY = ("torch", "numpy", "transformers", "jinja2", "tokenizers", "safetensors", "triton", "pydantic",
                "hypothesis", "akv.system")

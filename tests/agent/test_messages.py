@@ -6,7 +6,8 @@ import pytest
 
 from akv.agent import CachePolicy, PayloadError
 from akv.agent.messages import parse_conversation
-from tests.agent.conversations import call, payload, result
+
+from .conversations import call, payload, result
 
 USER = {"role": "user", "content": "task"}
 

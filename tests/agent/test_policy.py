@@ -21,7 +21,8 @@ from akv.agent import (
     TurnSelection,
     TurnTrigger,
 )
-from tests.agent.conversations import call, payload, result
+
+from .conversations import call, payload, result
 
 WORKED = [{"role": "user", "content": "Read A then B."}, call("A"), result("A"), call("B"), result("B")]
 

@@ -17,7 +17,8 @@ from akv.agent import (
     TurnSelection,
     TurnTrigger,
 )
-from tests.agent.conversations import payload, random_conversation
+
+from .conversations import payload, random_conversation
 
 ROLES = {"tool": {"tool"}, "assistant": {"assistant"}, "both": {"tool", "assistant"}}
 

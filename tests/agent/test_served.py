@@ -11,7 +11,8 @@ import urllib.request
 import pytest
 
 from akv.agent import CachePolicy, TurnReposition, TurnSelection, send_chat_request
-from tests.agent.conversations import TOOLS, call, result
+
+from .conversations import TOOLS, call, result
 
 pytestmark = pytest.mark.gpu
 

@@ -15,8 +15,9 @@ pytest.importorskip("jinja2")
 
 from akv.agent import CachePolicy, ConfigError, TokenSelection, TokenTrigger  # noqa: E402
 from akv.agent.tokens import ChatTemplateTokenCounter, prepare_messages  # noqa: E402
-from tests.agent.chatml import build_tokenizer  # noqa: E402
-from tests.agent.conversations import TOOLS, call, random_conversation, result  # noqa: E402
+
+from .chatml import build_tokenizer  # noqa: E402
+from .conversations import TOOLS, call, random_conversation, result  # noqa: E402
 
 CHAR_TEMPLATE = ("{% for m in messages %}{{ '<' + m.role + '>' + m.content }}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")

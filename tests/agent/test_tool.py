@@ -16,7 +16,8 @@ from akv.agent import (
     PayloadError,
     TurnSelection,
 )
-from tests.agent.conversations import call, payload, result
+
+from .conversations import call, payload, result
 
 BASE = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}, call("A"), result("A"),
         call("B"), result("B")]

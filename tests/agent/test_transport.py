@@ -10,7 +10,8 @@ from akv.agent import ContextLengthError, HTTPStatusError, IncompleteStreamError
 from akv.agent.results import ToolCall
 from akv.agent.sse import SSEParser
 from akv.agent.transport import chat_completions_url, send_chat_request
-from tests.agent.sse_server import Script, serve
+
+from .sse_server import Script, serve
 
 PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "drop_message": {"4": [2]}}
 
