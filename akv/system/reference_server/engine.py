@@ -19,7 +19,7 @@ from akv.system.cache import CacheCore, CacheFull, SlotPool
 from akv.system.context.compiler import ProgramError, compile_program
 from akv.system.context.program import ContextProgram
 from akv.system.context.provenance import ChatTemplate, ProvenanceError, token_provenance
-from akv.system.reference.executor import execute_plan
+from akv.system.reference.executor import PagedKV, run_prefill
 from akv.system.reference.model import ReferenceModel
 from akv.system.reference.paged import forward_paged
 from akv.system.reference_server.model_dir import ModelDir, load_model_dir
@@ -62,9 +62,7 @@ class Engine:
         self.model_name = name or self.files.path.name
         self.max_context = self.files.max_context
         self.template = ChatTemplate(self.files.chat_template)
-        c = self.model.config
-        self.k_pool = [torch.zeros(kv_slots + 1, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
-        self.v_pool = [torch.zeros(kv_slots + 1, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
+        self.kv = PagedKV.empty(self.model, kv_slots + 1)
         self.pool = SlotPool(kv_slots)
         self.cache = CacheCore(self.pool)
 
@@ -102,7 +100,7 @@ class Engine:
         gen_slots: list[int] = []
         finish = "length"
         try:
-            logits = execute_plan(self.model, plan, program, self.k_pool, self.v_pool)
+            logits = run_prefill(self.model, program, plan, self.kv)[program.n_tokens - 1]
             terminal_slots = torch.tensor(plan.terminal.slots, dtype=torch.int64)
             while True:
                 step = self._step(logits, sampler)
@@ -120,7 +118,7 @@ class Engine:
                 slots = torch.cat((terminal_slots, torch.tensor(gen_slots, dtype=torch.int64)))
                 logits = forward_paged(
                     self.model, torch.tensor([ids[-1]]), torch.tensor([program.next_position + len(gen_slots) - 1]),
-                    self.k_pool, self.v_pool, torch.tensor([gen_slots[-1]]),
+                    self.kv.k, self.kv.v, torch.tensor([gen_slots[-1]]),
                     torch.tensor([0, slots.numel()]), slots,
                 )[0]
         except BaseException:
