@@ -1,0 +1,1 @@
+"""Tests of the CPU reference server and the SmolLM2 converter."""
