@@ -71,7 +71,7 @@ finish() {
   for m in "$TINY" "$M8B"; do [ -f "$m/config.json" ] && cp "$m/config.json" "$WORK/logs/$(basename "$m")-config.json"; done
   tar -C "$WORK/logs" -czf "$OUT/extra.tar.gz" . 2>/dev/null
   if [ -n "$(ls -A "$AKV_BENCH_OUT" 2>/dev/null)" ]; then tar -C "$AKV_BENCH_OUT" -czf "$OUT/bench.tar.gz" .; fi
-  if [ "${SAVE_JIT_CACHE:-0}" = 1 ]; then tar -C "$CACHE" -cf - . | xz -3 -T0 > "$OUT/jitcache.tar.xz"; fi
+  if [ "${SAVE_JIT_CACHE:-0}" = 1 ]; then tar -C "$CACHE" -cJf "$OUT/jitcache.tar.xz" .; fi
   python3 - "$OUT" "$WORK/smoke.json" <<PY
 import json, os, sys
 out, smoke = sys.argv[1], sys.argv[2]
@@ -109,7 +109,12 @@ install_site() {
   [ -f "$KIT/site-py312.tar.xz" ] || { echo "missing $KIT/site-py312.tar.xz: run tools/gpu/prepare.sh and carry .devkit"; return 10; }
   [ -d "$KIT/overlay/sglang" ] || { echo "missing $KIT/overlay: run tools/gpu/prepare.sh"; return 10; }
   mkdir -p "$SITE"
-  xz -T0 -dc "$KIT/site-py312.tar.xz" | tar -x -C "$SITE" || return 11
+  if command -v xz >/dev/null; then
+    xz -T0 -dc "$KIT/site-py312.tar.xz" | tar -x -C "$SITE" || return 11
+  else
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2])" \
+      "$KIT/site-py312.tar.xz" "$SITE" || return 11
+  fi
   cp -a "$KIT/overlay/." "$SITE/" || return 12
   find "$SITE/sglang" -name __pycache__ -prune -exec rm -rf {} + 2>/dev/null
   if [ -f "$KIT/jitcache.tar.xz" ]; then tar -xJf "$KIT/jitcache.tar.xz" -C "$CACHE" || return 13; fi
@@ -163,7 +168,9 @@ start_server() {
   local cmd="python3 -m akv.system.launch_server --model-path $TINY --host 127.0.0.1 --port $PORT \
     --tool-call-parser qwen --enable-cache-report --max-total-tokens 131072 $SERVER_ARGS"
   step "launch: $(echo $cmd | tr -s ' ')"
-  setsid bash -c "exec $cmd" > "$OUT/server.log" 2>&1 < /dev/null &
+  # own process group, so stop_server can end the launcher and its scheduler/detokenizer together
+  python3 -c 'import os, sys; os.setsid(); os.execvp("bash", ["bash", "-c", "exec " + sys.argv[1]])' "$cmd" \
+    > "$OUT/server.log" 2>&1 < /dev/null &
   SERVER_PID=$!
   local wait_s=$(( $(left) - 60 < READY_TIMEOUT_S ? $(left) - 60 : READY_TIMEOUT_S ))
   for _ in $(seq 1 "$wait_s"); do
