@@ -1,0 +1,75 @@
+"""Record keys: plain requests keep plain token keys; event histories separate identical text."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from akv.system.cache.keys import DROP_CLOSE, DROP_OPEN, REPOS, CacheKeyError, plain_key, program_key
+
+from .conversations import Conversation
+
+MESSAGES = ((5, 6), (7, 8, 9), (10,), (11, 12))
+
+
+def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
+    k = min(a.size, b.size)
+    diff = np.flatnonzero(a[:k] != b[:k])
+    return int(diff[0]) if diff.size else k
+
+
+def test_plain_program_key_is_the_token_ids() -> None:
+    program = Conversation(MESSAGES, {}, ()).program(3)
+    key = program_key(program)
+    assert key.records.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert key.token_record.tolist() == list(range(8))
+    assert key.records.tolist() == plain_key(np.array([5, 6, 7, 8, 9, 10, 11, 12])).records.tolist()
+
+
+def test_drop_and_repos_records_sit_where_the_events_apply() -> None:
+    program = Conversation(MESSAGES, {2: (1,)}, (2,)).program(3)
+    key = program_key(program)
+    # message 1 owns tokens 2..4: the Drop hides [2, 5) after token 5 (end of message 2)
+    assert key.records.tolist() == [5, 6, 7, 8, 9, 10, DROP_OPEN, -(2 + 8), -(5 + 8), DROP_CLOSE, REPOS, 11, 12]
+    assert key.token_record.tolist() == [0, 1, 2, 3, 4, 5, 11, 12]
+
+
+def test_same_text_with_other_history_diverges_at_the_first_event() -> None:
+    a = program_key(Conversation(MESSAGES, {2: (1,)}, ()).program(3))
+    b = program_key(Conversation(MESSAGES, {2: (0,)}, ()).program(3))
+    plain = program_key(Conversation(MESSAGES, {}, ()).program(3))
+    assert _first_difference(a.records, b.records) == 7  # inside the Drop records, after its open marker
+    assert a.tokens_within(7) == b.tokens_within(7) == 6
+    assert _first_difference(a.records, plain.records) == 6
+    assert plain.tokens_within(6) == 6
+
+
+def test_events_that_change_nothing_leave_no_record() -> None:
+    repos_only = program_key(Conversation(MESSAGES, {}, (1, 2)).program(3))
+    assert repos_only.records.tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    twice = program_key(Conversation(MESSAGES, {1: (0,)}, (1, 2)).program(3))
+    assert (twice.records == REPOS).sum() == 1
+
+
+def test_repos_after_dropping_the_newest_message_counts() -> None:
+    """Dropping the tokens just appended moves no token, but the next position still changes."""
+    program = Conversation(MESSAGES, {1: (1,)}, (1,)).program(2)
+    assert program.birth_position[5] == 2
+    assert (program_key(program).records == REPOS).sum() == 1
+
+
+def test_with_tokens_appends_records() -> None:
+    key = program_key(Conversation(MESSAGES, {2: (1,)}, (2,)).program(2))
+    longer = key.with_tokens(np.array([3, 4]))
+    assert longer.records[-2:].tolist() == [3, 4]
+    assert longer.token_record[-2:].tolist() == [key.records.size, key.records.size + 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (np.array([1, -4]), r"token_ids\[1\]: negative token id -4"),
+    (np.array([[1, 2]]), r"token_ids: expected a 1-D array"),
+    (np.array([1.5]), r"token_ids: expected integers"),
+])
+def test_bad_token_ids_are_named(bad: np.ndarray, message: str) -> None:
+    with pytest.raises(CacheKeyError, match=message):
+        plain_key(bad)
