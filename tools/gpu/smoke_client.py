@@ -100,6 +100,12 @@ def _expect_400(result: HttpResult, *needles: str) -> dict[str, Any]:
 def run_checks(base: str, timeout: float) -> dict[str, dict[str, Any]]:
     model = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=timeout).read())["data"][0]["id"]
 
+    def server_info() -> dict[str, Any]:
+        info = json.loads(urllib.request.urlopen(base + "/server_info", timeout=timeout).read())
+        seen = {key: info.get(key) for key in ("version", "page_size", "attention_backend")}
+        assert seen == {"version": "0.5.16+akv", "page_size": 1, "attention_backend": "triton"}, seen
+        return seen
+
     def plain_chat() -> dict[str, Any]:
         return _expect_ok(post(base, "/v1/chat/completions",
                                {"model": model, "messages": [{"role": "user", "content": "Hello there"}],
@@ -145,6 +151,7 @@ def run_checks(base: str, timeout: float) -> dict[str, dict[str, Any]]:
         return _expect_ok(post(base, "/v1/chat/completions", _chat(model), timeout))
 
     checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("server_info", server_info),
         ("plain_chat", plain_chat),
         ("chat_stream_tools", chat_stream_tools),
         ("context_fields", context_fields),
