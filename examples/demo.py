@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the harness picks each tool call; the model's replies are still generated and recorded")
     parser.add_argument("--steps", type=int, default=6, help="records in the chain")
     parser.add_argument("--manifest-lines", type=int, default=12, help="manifest lines per record (record length)")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=48, help="reply budget per step (a read_record call needs ~30)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per socket operation")

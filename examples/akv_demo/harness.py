@@ -37,7 +37,7 @@ class DemoConfig:
     scripted: bool = False
     steps: int = 6
     manifest_lines: int = 12
-    max_tokens: int = 32
+    max_tokens: int = 48
     temperature: float = 0.0
     seed: int = 7
     timeout_s: float = 600.0
