@@ -40,23 +40,25 @@ class DecisionState:
     counts: dict[int, _CountCache] = field(default_factory=dict)
     requests: dict[str, tuple[ModelRequest, ...]] = field(default_factory=dict)
 
-    def hide(self, ids: Iterable[int]) -> None:
-        roles = self.conversation.roles
+    def hide(self, ids: Sequence[int]) -> None:
+        roles, candidates = self.conversation.roles, self.candidates
+        self.hidden.update(ids)
+        self.hidden_order.extend(ids)
         for i in ids:
-            self.hidden.add(i)
-            self.hidden_order.append(i)
-            self.candidates.get(roles[i], {}).pop(i, None)
+            pool = candidates.get(roles[i])
+            if pool is not None:
+                pool.pop(i, None)
 
     def admit_until(self, end: int) -> None:
         """Make messages `< end` that are neither hidden nor protected candidates for dropping."""
-        roles = self.conversation.roles
+        roles, protected, hidden, candidates = self.conversation.roles, self.protected, self.hidden, self.candidates
         for i in range(self.admitted_until, end):
-            if not self.protected[i] and i not in self.hidden:
-                self.candidates.setdefault(roles[i], {})[i] = None
+            if not protected[i] and i not in hidden:
+                pool = candidates.get(roles[i])
+                if pool is None:
+                    pool = candidates[roles[i]] = {}
+                pool[i] = None
         self.admitted_until = max(self.admitted_until, end)
-
-    def is_candidate(self, message_id: int) -> bool:
-        return message_id in self.candidates.get(self.conversation.roles[message_id], ())
 
     def count(self, counter: TokenCounter) -> _CountCache:
         cache = self.counts.get(id(counter))
@@ -167,12 +169,15 @@ class DecisionContext:
 
 def check_ids(ids: object, ctx: DecisionContext, rule: object) -> list[int]:
     """Validate a selector's output: ints, not after the boundary. Returns them in order, de-duplicated."""
-    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+    kind = type(ids)
+    if kind is not list and kind is not tuple and (
+            isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable)):
         raise RuleError(f"selector {rule!r} must return an iterable of message ids, got {type(ids).__name__}")
+    boundary = ctx.boundary
     out = []
     for i in ids:
-        if type(i) is not int or not 0 <= i <= ctx.boundary:
-            raise RuleError(f"selector {rule!r} returned {i!r} at boundary {ctx.boundary}; ids must be ints in "
-                            f"[0, {ctx.boundary}]")
+        if type(i) is not int or not 0 <= i <= boundary:
+            raise RuleError(f"selector {rule!r} returned {i!r} at boundary {boundary}; ids must be ints in "
+                            f"[0, {boundary}]")
         out.append(i)
     return sorted(set(out))

@@ -55,13 +55,14 @@ class CacheOperation:
     reposition: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.boundary) or self.boundary < 0:
-            raise HistoryError(f"CacheOperation.boundary must be a non-negative int, got {self.boundary!r}")
+        boundary = self.boundary
+        if not _is_int(boundary) or boundary < 0:
+            raise HistoryError(f"CacheOperation.boundary must be a non-negative int, got {boundary!r}")
         if not isinstance(self.drop, tuple):
             raise HistoryError(f"CacheOperation.drop must be a tuple, got {type(self.drop).__name__}")
         previous = -1
         for i in self.drop:
-            if not _is_int(i) or not previous < i <= self.boundary:
+            if type(i) is not int or not previous < i <= boundary:
                 raise HistoryError(f"CacheOperation at {self.boundary}: drop id {i!r} must be an int in "
                                    f"[0, {self.boundary}], strictly increasing")
             previous = i
@@ -93,7 +94,8 @@ class CacheOperationHistory:
         if not _is_int(self.message_count) or self.message_count < 1:
             raise HistoryError(f"CacheOperationHistory.message_count must be a positive int, "
                                f"got {self.message_count!r}")
-        for name in ("prefix_digest", "settings_digest"):
+        deferred = "_digest_source" in self.__dict__
+        for name in ("settings_digest",) if deferred else ("prefix_digest", "settings_digest"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise HistoryError(f"CacheOperationHistory.{name} must be a non-empty string")
         previous = -1
@@ -111,6 +113,36 @@ class CacheOperationHistory:
             previous = op.boundary
         if self.snapshot is not None and len(self.snapshot) != self.message_count:
             raise HistoryError(f"CacheOperationHistory.snapshot must hold {self.message_count} messages")
+
+    @classmethod
+    def extending(cls, base: CacheOperationHistory | None, operations: tuple[CacheOperation, ...],
+                  settings_digest: str, snapshot: list[Any]) -> CacheOperationHistory:
+        """The history of the messages in `snapshot` (a private copy, which `base`, if given, covers a
+        prefix of). Its `prefix_digest` is computed from the snapshot when first read, so that
+        `process()` hashes nothing unless the history is serialised or compared."""
+        history = cls.__new__(cls)
+        source = (EMPTY_PREFIX, 0) if base is None else base._digest_base()
+        for name, value in (("operations", operations), ("message_count", len(snapshot)),
+                            ("settings_digest", settings_digest), ("snapshot", snapshot),
+                            ("_digest_source", source)):
+            object.__setattr__(history, name, value)
+        history.__post_init__()
+        return history
+
+    def _digest_base(self) -> tuple[str, int]:
+        """A known digest of the first messages of the snapshot, and how many messages it covers."""
+        if "prefix_digest" in self.__dict__:
+            return self.prefix_digest, self.message_count
+        return self.__dict__["_digest_source"]
+
+    def __getattr__(self, name: str) -> Any:
+        source = self.__dict__.get("_digest_source")
+        if name != "prefix_digest" or source is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        digest, covered = source
+        digest = extend_digest(digest, self.snapshot[covered:])
+        object.__setattr__(self, "prefix_digest", digest)
+        return digest
 
     @property
     def hidden(self) -> frozenset[int]:

@@ -46,15 +46,15 @@ def _is_int(value: object) -> bool:
     return type(value) is int
 
 
-def _tool_calls(message: Mapping[str, object], i: int) -> list[tuple[str, str]]:
+def _tool_calls(message: Mapping[str, object], i: int) -> dict[str, str]:
+    """Function name by tool-call id, in call order."""
     calls = message.get("tool_calls")
     if calls is None:
-        return []
+        return {}
     if not isinstance(calls, list):
         raise PayloadError(f"message {i}: tool_calls must be a list, got {type(calls).__name__}",
                            message_id=i, field="tool_calls")
-    out: list[tuple[str, str]] = []
-    seen: set[str] = set()
+    out: dict[str, str] = {}
     for k, call in enumerate(calls):
         if type(call) is not dict and not isinstance(call, Mapping):
             raise PayloadError(f"message {i}: tool_calls[{k}] must be an object", message_id=i, field="tool_calls")
@@ -67,10 +67,9 @@ def _tool_calls(message: Mapping[str, object], i: int) -> list[tuple[str, str]]:
         if not isinstance(name, str) or not name:
             raise PayloadError(f"message {i}: tool_calls[{k}].function.name must be a non-empty string, "
                                f"got {name!r}", message_id=i, field="tool_calls")
-        if call_id in seen:
+        if call_id in out:
             raise PayloadError(f"message {i}: duplicate tool-call id {call_id!r}", message_id=i, field="tool_calls")
-        seen.add(call_id)
-        out.append((call_id, name))
+        out[call_id] = name
     return out
 
 
@@ -136,7 +135,7 @@ def parse_conversation(messages: object,
             calls = _tool_calls(message, i)
             if calls:
                 open_assistant = i
-                pending = dict(calls)
+                pending = calls
     if open_assistant >= 0:
         close_batch(n)
     native = tuple(b.end for b in batches)

@@ -52,14 +52,18 @@ def akv_fields(history: CacheOperationHistory) -> dict[str, Any]:
     return fields
 
 
-_SCALARS = (str, int, float, bool, type(None))
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
 def copy_json(value: Any) -> Any:
     """Deep copy of a JSON-like value (dicts, lists, scalars); other objects go through copy.deepcopy."""
     kind = type(value)
     if kind is dict:
-        return {k: (v if type(v) in _SCALARS else copy_json(v)) for k, v in value.items()}
+        out = value.copy()
+        for k, v in value.items():
+            if type(v) not in _SCALARS:
+                out[k] = copy_json(v)
+        return out
     if kind is list:
         return [v if type(v) in _SCALARS else copy_json(v) for v in value]
     if kind in _SCALARS:

@@ -72,13 +72,12 @@ class CachePolicy:
         conversation = parse_conversation(messages, completed_call_message_ids)
         settings = settings_digest(payload, api_style)
         start = 0
-        prefix_digest = EMPTY_PREFIX
         snapshot: list[Any] = []
         if history is not None:
             _check_history(history, conversation.boundaries, messages, settings)
             if history.message_count == len(messages):
                 return with_fields(payload, history, api_style), history
-            start, prefix_digest = history.message_count, history.prefix_digest
+            start = history.message_count
             snapshot = history.snapshot if history.snapshot is not None else copy_json(messages[:start])
         state = DecisionState(messages, conversation, self.protection.protected(conversation),
                               payload.get("tools"), payload.get("chat_template_kwargs"), api_style)
@@ -94,9 +93,8 @@ class CachePolicy:
                 if op is not None:
                     operations.append(op)
             previous = boundary
-        added = messages[start:]
-        new_history = CacheOperationHistory(tuple(operations), len(messages), extend_digest(prefix_digest, added),
-                                            settings, snapshot + copy_json(added))
+        new_history = CacheOperationHistory.extending(history, tuple(operations), settings,
+                                                      snapshot + copy_json(messages[start:]))
         return with_fields(payload, new_history, api_style), new_history
 
     def _decide(self, state: DecisionState, boundary: int, turn: int, previous: int) -> CacheOperation | None:
@@ -104,7 +102,9 @@ class CachePolicy:
         ctx = DecisionContext(state, boundary, turn)
         drop: tuple[int, ...] = ()
         if self.selector is not None and (self.trigger is None or _verdict(self.trigger, ctx)):
-            chosen = [i for i in check_ids(self.selector(ctx), ctx, self.selector) if state.is_candidate(i)]
+            roles, candidates = state.conversation.roles, state.candidates
+            chosen = [i for i in check_ids(self.selector(ctx), ctx, self.selector)
+                      if i in candidates.get(roles[i], ())]
             if len(chosen) >= self.min_clear_messages and (
                     self.min_clear_tokens is None or ctx.tokens(self.counter, chosen) >= self.min_clear_tokens):
                 drop = tuple(chosen)

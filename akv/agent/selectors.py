@@ -33,10 +33,12 @@ class TurnSelection:
             return []
         limit = ctx.conversation.boundaries[expired_turns - 1]
         out = []
-        for i in ctx.droppable(_TARGET_ROLES[self.target]):
-            if i > limit:
-                break
-            out.append(i)
+        for role in _TARGET_ROLES[self.target]:
+            for i in ctx.droppable((role,)):
+                if i > limit:
+                    break
+                out.append(i)
+        out.sort()
         return out
 
 
