@@ -23,7 +23,8 @@ from akv_demo.policies import POLICY_KINDS  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default=None, help="OpenAI-compatible server (default: embedded reference server)")
+    parser.add_argument("--base-url", default=None,
+                        help="OpenAI-compatible server (default: the embedded reference server)")
     parser.add_argument("--model", default=None, help="model name to send (default: the embedded server's)")
     parser.add_argument("--model-path", type=Path, default=None, help="model dir for the embedded reference server")
     parser.add_argument("--output", type=Path, required=True, help="new directory for the run's artifacts")
@@ -32,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the harness picks each tool call; the model's replies are still generated and recorded")
     parser.add_argument("--steps", type=int, default=6, help="records in the chain")
     parser.add_argument("--manifest-lines", type=int, default=12, help="manifest lines per record (record length)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="reply budget per step (a read_record call needs ~30)")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="reply budget per step (a read_record call needs about 30)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per socket operation")

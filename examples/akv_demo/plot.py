@@ -47,7 +47,8 @@ def write_svg(records: Sequence[StepRecord], path: Path, title: str) -> Path:
                 y -= h
                 parts.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar_w:.1f}" height="{h:.1f}" fill="{color}">'
                              f'<title>step {record.step} {name}: {values[key]}</title></rect>')
-        parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{_TOP + plot_h + 15}" text-anchor="middle">{record.step}</text>')
+        parts.append(f'<text x="{x + bar_w / 2:.1f}" y="{_TOP + plot_h + 15}" '
+                     f'text-anchor="middle">{record.step}</text>')
         points.append(f"{x + bar_w / 2:.1f},{_TOP + plot_h * (1 - record.latency_s / max_latency):.1f}")
     if points:
         parts.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="black" stroke-width="2"/>')

@@ -78,7 +78,7 @@ def test_scripted_demo_follows_the_chain_and_the_cache_ops_take_effect(server_ur
     assert any(u["prompt_tokens_details"]["repos_tokens"] > 0 for u in usages)
     assert any(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usages)
 
-    for step, payload in zip(steps, sent):
+    for step, payload in zip(steps, sent, strict=True):
         before = load(step / "payload_before.json")
         assert "drop_message" not in before and "reposition" not in before
         assert payload["messages"] == before["messages"], "the policy must never edit messages"

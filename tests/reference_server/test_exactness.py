@@ -21,8 +21,9 @@ from akv.system.reference.oracle import run_program
 from akv.system.reference_server.model_dir import load_model_dir
 
 MODEL = "tiny-test"
+RECORD_ID = {"type": "object", "properties": {"record_id": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "read a record",
-                                           "parameters": {"type": "object", "properties": {"record_id": {"type": "string"}}}}}]
+                                           "parameters": RECORD_ID}}]
 
 
 def _call(i: int, record: str) -> dict[str, Any]:
@@ -74,7 +75,8 @@ def provenance(served: Any, n_messages: int) -> Any:
 def assert_matches_oracle(served: Any, model: ReferenceModel, reply: dict[str, Any], n_messages: int,
                           drop_message: dict[str, list[int]] | None, reposition: list[int] | None) -> None:
     prov = provenance(served, n_messages)
-    program = compile_program(prov.token_ids, prov.owners, parse_rules(drop_message, reposition, n_messages), n_messages)
+    rules = parse_rules(drop_message, reposition, n_messages)
+    program = compile_program(prov.token_ids, prov.owners, rules, n_messages)
     entries = reply["choices"][0]["logprobs"]["content"]
     generated = np.asarray([e["token_id"] for e in entries], dtype=np.int64)
     assert reply["usage"]["prompt_tokens"] == program.n_prompt

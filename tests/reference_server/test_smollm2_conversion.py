@@ -85,7 +85,8 @@ def test_reference_model_equals_transformers_and_answers(smollm2_dir: Path) -> N
     from akv.system.reference.oracle import run_oracle
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    rendered = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = rendered["input_ids"]
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]

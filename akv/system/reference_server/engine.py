@@ -15,7 +15,7 @@ import jinja2
 import numpy as np
 import torch
 
-from akv.system.cache import CacheCore, CacheFull, SlotPool
+from akv.system.cache import CacheCore, SlotPool
 from akv.system.context.compiler import ProgramError, compile_program
 from akv.system.context.program import ContextProgram
 from akv.system.context.provenance import ChatTemplate, ProvenanceError, token_provenance
@@ -75,7 +75,8 @@ class Engine:
             provenance = token_provenance(owned, self.files.tokenizer)
             program = compile_program(provenance.token_ids, provenance.owners, request.rules, len(messages))
         except (ProvenanceError, jinja2.TemplateError) as exc:
-            raise RequestError("messages", f"{len(messages)} messages", f"the chat template cannot render them: {exc}") from exc
+            raise RequestError("messages", f"{len(messages)} messages",
+                               f"the chat template cannot render them: {exc}") from exc
         except ProgramError as exc:
             raise RequestError("messages", f"{len(messages)} messages", f"cannot compile the request: {exc}") from exc
         room = self.max_context - program.next_position
@@ -126,7 +127,8 @@ class Engine:
             if gen_slots:
                 self.pool.decref(np.asarray(gen_slots, dtype=np.int64))
             raise
-        self.cache.finish(active, np.asarray(ids[: len(gen_slots)], dtype=np.int64), np.asarray(gen_slots, dtype=np.int64))
+        published = np.asarray(ids[: len(gen_slots)], dtype=np.int64)
+        self.cache.finish(active, published, np.asarray(gen_slots, dtype=np.int64))
         usage = plan.usage
         return Generation(
             token_ids=tuple(ids),
@@ -142,7 +144,7 @@ class Engine:
         top = torch.topk(logprobs, min(TOP_CANDIDATES, logprobs.numel()))
         return TokenStep(
             chosen=self._choice(token, float(logprobs[token])),
-            top=tuple(self._choice(int(i), float(v)) for v, i in zip(top.values, top.indices)),
+            top=tuple(self._choice(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)),
         )
 
     def _choice(self, token_id: int, logprob: float) -> TokenChoice:

@@ -48,7 +48,8 @@ def load_model_dir(path: str | Path) -> ModelDir:
     if isinstance(eos_text, str) and tokenizer.token_to_id(eos_text) is not None:
         eos.add(tokenizer.token_to_id(eos_text))
     if not eos:
-        raise ModelDirError(f"no eos_token_id in {str(root)!r} (config.json, generation_config.json, tokenizer_config.json)")
+        raise ModelDirError(f"no eos_token_id in {str(root)!r} "
+                            "(config.json, generation_config.json, tokenizer_config.json)")
 
     max_context = config.get("max_position_embeddings")
     if type(max_context) is not int or max_context <= 0:

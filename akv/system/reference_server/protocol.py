@@ -181,11 +181,13 @@ def _content(value: Any, field: str, role: str) -> str | None:
         parts = []
         for j, part in enumerate(value):
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{field}[{j}]", _short(part), "only {'type': 'text', 'text': str} parts are supported")
+                raise RequestError(f"{field}[{j}]", _short(part),
+                                   "only {'type': 'text', 'text': str} parts are supported")
             parts.append(part["text"])
         # Tool results join with a space (as SGLang does); other roles concatenate.
         return (" " if role == "tool" else "").join(parts)
-    raise RequestError(field, _short(value), f"expected a string, a list of text parts or null, got {type(value).__name__}")
+    raise RequestError(field, _short(value),
+                       f"expected a string, a list of text parts or null, got {type(value).__name__}")
 
 
 def _tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
@@ -203,7 +205,8 @@ def _tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
             try:
                 arguments = json.loads(arguments)  # templates receive decoded arguments, as in SGLang
             except json.JSONDecodeError as exc:
-                raise RequestError(f"{item}.function.arguments", _short(arguments), f"not valid JSON ({exc.msg})") from exc
+                raise RequestError(f"{item}.function.arguments", _short(arguments),
+                                   f"not valid JSON ({exc.msg})") from exc
         elif not isinstance(arguments, Mapping):
             raise RequestError(f"{item}.function.arguments", _short(arguments), "expected a JSON string or an object")
         else:
@@ -223,7 +226,7 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         raise RequestError("tools", _short(value), "expected a list of tools")
     for i, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or not isinstance(function, Mapping):
+        if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
             raise RequestError(f"tools[{i}]", _short(tool), "expected {'type': 'function', 'function': {...}}")
         _string(function.get("name"), f"tools[{i}].function.name")
     return tuple(json.loads(json.dumps(value)))
@@ -262,7 +265,8 @@ def _number(body: Mapping[str, Any], key: str, default: float, *, low: float, hi
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and low <= value <= high):
         raise RequestError(key, value, f"expected a number in [{low}, {high}]")
     return float(value)
 

@@ -170,7 +170,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, status: HTTPStatus, message: str, *, param: str | None, kind: str = "invalid_request_error") -> None:
+    def _error(self, status: HTTPStatus, message: str, *, param: str | None,
+               kind: str = "invalid_request_error") -> None:
         self._json(status, error_body(message, param=param, status=int(status), kind=kind))
 
 
