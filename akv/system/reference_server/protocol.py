@@ -224,12 +224,39 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         return ()
     if not isinstance(value, list):
         raise RequestError("tools", _short(value), "expected a list of tools")
+    out = []
     for i, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
             raise RequestError(f"tools[{i}]", _short(tool), "expected {'type': 'function', 'function': {...}}")
-        _string(function.get("name"), f"tools[{i}].function.name")
-    return tuple(json.loads(json.dumps(value)))
+        out.append(_tool_as_sglang_dumps_it(function, tool.get("defer_loading"), f"tools[{i}]"))
+    return tuple(out)
+
+
+def _tool_as_sglang_dumps_it(function: Mapping[str, Any], defer_loading: Any, field: str) -> dict[str, Any]:
+    """The dict SGLang 0.5.16 renders for a tool: its pydantic ``Tool.model_dump()`` (unknown keys
+    dropped, ``description``/``parameters`` defaulted to None, ``strict`` to False)."""
+    description = function.get("description")
+    if description is not None:
+        _string(description, f"{field}.function.description")
+    strict = function.get("strict", False)
+    if not isinstance(strict, bool):
+        raise RequestError(f"{field}.function.strict", strict, "expected true or false")
+    dumped: dict[str, Any] = {
+        "description": description,
+        "name": _string(function.get("name"), f"{field}.function.name"),
+        "parameters": json.loads(json.dumps(function.get("parameters"))),
+        "strict": strict,
+    }
+    function_defer = function.get("defer_loading")
+    if function_defer is None:
+        function_defer = defer_loading
+    for key, value in (("defer_loading", defer_loading), ("function.defer_loading", function_defer)):
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"{field}.{key}", value, "expected true, false or null")
+    if function_defer is not None:
+        dumped["defer_loading"] = function_defer
+    return {"type": "function", "function": dumped, "defer_loading": defer_loading}
 
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
