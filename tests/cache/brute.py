@@ -92,12 +92,13 @@ class SimulatedKV:
     def execute(self, plan: RequestPlan, brute: BruteLayout, pool: SlotPool) -> Trace:
         """Run ``plan`` against the brute force, asserting every read and write."""
         trace = Trace()
+        private = set(plan.fresh.tolist())
         for segment in plan.segments:
-            self._copy(segment.copies, brute, pool, trace)
+            self._copy(segment.copies, brute, pool, trace, private)
             assert segment.positions.tolist() == list(brute.birth[segment.start : segment.end])
             indptr, indices = segment.visible_slots()
             for i, q in enumerate(range(segment.start, segment.end)):
-                self._write(int(segment.slots[i]), (brute.names[q], brute.birth[q]), pool, trace)
+                self._write(int(segment.slots[i]), (brute.names[q], brute.birth[q]), pool, trace, private)
                 trace.computed.add(q)
                 row = indices[indptr[i] : indptr[i + 1]].tolist()
                 labels = [self._read(s, pool) for s in row]
@@ -105,7 +106,7 @@ class SimulatedKV:
                 assert set(labels) == brute.reads[q], f"query {q}: read {sorted(labels)}, expected {sorted(brute.reads[q])}"
                 tokens = segment.prefix_tokens.tolist() + list(range(segment.start, q + 1))
                 self._note_reads(tokens, row, labels, brute, trace)
-        self._copy(plan.terminal.copies, brute, pool, trace)
+        self._copy(plan.terminal.copies, brute, pool, trace, private)
         slots = plan.terminal.slots.tolist()
         labels = [self._read(s, pool) for s in slots]
         assert dict(zip(plan.terminal.tokens.tolist(), labels)) == brute.terminal
@@ -115,21 +116,23 @@ class SimulatedKV:
     def write_generated(self, slots: np.ndarray, brute: BruteLayout, first: int, pool: SlotPool) -> None:
         for j, slot in enumerate(slots.tolist()):
             t = first + j
-            self._write(slot, (brute.names[t], brute.birth[t]), pool, Trace())
+            self._write(slot, (brute.names[t], brute.birth[t]), pool, Trace(), set())
 
-    def _copy(self, job: CopyJob, brute: BruteLayout, pool: SlotPool, trace: Trace) -> None:
+    def _copy(self, job: CopyJob, brute: BruteLayout, pool: SlotPool, trace: Trace, private: set[int]) -> None:
         for token, src, dst, old, new in zip(job.tokens.tolist(), job.src.tolist(), job.dst.tolist(),
                                              job.old_positions.tolist(), job.new_positions.tolist()):
             assert self._read(src, pool) == (brute.names[token], old), f"copy source {src} of token {token}"
-            self._write(dst, (brute.names[token], new), pool, trace)
+            self._write(dst, (brute.names[token], new), pool, trace, private)
 
     def _read(self, slot: int, pool: SlotPool) -> Label:
         assert pool.refcount([slot])[0] > 0, f"read of free slot {slot}"
         assert slot in self.content, f"read of slot {slot} before anything was written to it"
         return self.content[slot]
 
-    def _write(self, slot: int, label: Label, pool: SlotPool, trace: Trace) -> None:
-        assert slot not in self.content, f"slot {slot} rewritten while allocated (held {self.content[slot]})"
+    def _write(self, slot: int, label: Label, pool: SlotPool, trace: Trace, private: set[int]) -> None:
+        """A slot is written once, except that a plan may recycle its own private slots."""
+        if slot not in private:
+            assert slot not in self.content, f"slot {slot} rewritten while allocated (held {self.content[slot]})"
         assert pool.refcount([slot])[0] == 1, f"slot {slot} written while shared"
         self.content[slot] = label
         trace.written.add(slot)

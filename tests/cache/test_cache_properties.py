@@ -20,16 +20,17 @@ from .conversations import Conversation, conversations
 @st.composite
 def scenarios(draw: st.DrawFn) -> tuple[list[Conversation], list[tuple[str, int, int]], int]:
     """Conversations (a base and its branches) walked turn by turn in an interleaved order, with
-    retries, requests held open across others, and evictions at random points."""
+    retries, jumps to a conversation's last turn (long cold or partly cached requests), requests held
+    open across others, and evictions at random points."""
     base = draw(conversations())
     convs = [base] + [draw(conversations(prefix=base)) for _ in range(draw(st.integers(1, 2)))]
     turns = draw(st.permutations([i for i, c in enumerate(convs) for _ in range(c.n_turns)]))
     ops: list[tuple[str, int, int]] = []
     for i in turns:
         ops.append(("next", i, draw(st.sampled_from([1, 1, 1, 0]))))
-        extra = draw(st.sampled_from(["none", "none", "retry", "finish", "evict"]))
-        if extra == "retry":
-            ops.append(("retry", i, draw(st.integers(0, 1))))
+        extra = draw(st.sampled_from(["none", "none", "retry", "jump", "finish", "evict"]))
+        if extra in ("retry", "jump"):
+            ops.append((extra, i, draw(st.integers(0, 1))))
         elif extra == "finish":
             ops.append(("finish", draw(st.integers(0, 3)), draw(st.integers(0, 1))))
         elif extra == "evict":
@@ -83,10 +84,10 @@ def test_random_request_sequences_match_brute_force(scenario: tuple[list[Convers
 
     cursor = [-1] * len(convs)
     for kind, a, b in ops:
-        if kind in ("next", "retry"):
+        if kind in ("next", "retry", "jump"):
             conv = convs[a]
             cursor[a] = min(cursor[a] + (kind == "next"), conv.n_turns - 1)
-            turn = max(cursor[a], 0)
+            turn = conv.n_turns - 1 if kind == "jump" else max(cursor[a], 0)
             program = conv.program(turn)
             try:
                 request = core.admit(program)
@@ -114,3 +115,26 @@ def test_random_request_sequences_match_brute_force(scenario: tuple[list[Convers
     core.flush()
     assert pool.n_free == pool.size
     assert not kv.content
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversations(max_messages=10), st.integers(0, 30))
+def test_cold_requests_over_many_events_recycle_slots_safely(conv: Conversation, evict: int) -> None:
+    """A long history computed in one request (many stages, copies recycled within it), then again
+    after evicting part of what it published."""
+    kv = SimulatedKV()
+    pool = SlotPool(400, on_free=kv.forget)
+    core = CacheCore(pool)
+    intern = Interner()
+    program = conv.program(conv.n_turns - 1)
+    brute = brute_layout(program, intern)
+    for _ in range(2):
+        request = core.admit(program)
+        plan = request.plan
+        assert plan.fresh.size <= sum(s.n_queries for s in plan.segments) + sum(c.size for c in plan.copies)
+        trace = kv.execute(plan, brute, pool)
+        _check_usage(plan, trace, brute, program.n_prompt)
+        core.finish(request)
+        core.tree.evict(evict)
+    core.flush()
+    assert pool.n_free == pool.size and not kv.content

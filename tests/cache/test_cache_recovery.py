@@ -62,3 +62,4 @@ def test_segments_cut_at_stage_changes_and_resident_gaps() -> None:
     assert segment_spans(program, needed) == (
         SegmentSpan(0, 2, 0), SegmentSpan(3, 4, 0), SegmentSpan(4, 6, 2), SegmentSpan(8, 9, 2),
     )
+

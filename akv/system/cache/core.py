@@ -111,17 +111,23 @@ class CacheCore:
 
 
 def _own_versions(request: ActiveRequest, generated_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(token, position, slot) of every version the request made: births, copies, generated KV."""
+    """(token, position, slot) of every version the request publishes: its births, the versions it
+    made that generation reads, and generated KV. Copies only earlier stages read are historical;
+    their slots may have been recycled within the request."""
     plan = request.plan
     n = request.program.n_tokens
-    tokens = [np.arange(s.start, s.end) for s in plan.segments] + [c.tokens for c in plan.copies]
-    positions = [s.positions for s in plan.segments] + [c.new_positions for c in plan.copies]
-    slots = [s.slots for s in plan.segments] + [c.dst for c in plan.copies]
+    terminal = plan.terminal
+    made = np.isin(terminal.slots, plan.fresh)
+    tokens = [np.arange(s.start, s.end) for s in plan.segments] + [terminal.tokens[made]]
+    positions = [s.positions for s in plan.segments] + [terminal.positions[made]]
+    slots = [s.slots for s in plan.segments] + [terminal.slots[made]]
     tokens.append(n + np.arange(generated_slots.size))
     positions.append(request.program.next_position + np.arange(generated_slots.size))
     slots.append(generated_slots)
-    return (np.concatenate(tokens).astype(np.int64), np.concatenate(positions).astype(np.int64),
-            np.concatenate(slots).astype(np.int64))
+    all_slots = np.concatenate(slots).astype(np.int64)
+    _, first = np.unique(all_slots, return_index=True)
+    return (np.concatenate(tokens).astype(np.int64)[first], np.concatenate(positions).astype(np.int64)[first],
+            all_slots[first])
 
 
 def _as_table(n: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

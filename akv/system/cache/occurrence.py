@@ -21,6 +21,7 @@ from akv.system.cache.usage import count_usage
 from akv.system.context.program import ContextProgram
 
 _EMPTY = -1
+_FOREVER = np.iinfo(np.int64).max
 
 
 class PlanningError(RuntimeError):
@@ -39,22 +40,9 @@ class DraftPlan:
         fresh = np.asarray(fresh, dtype=np.int64)
         if fresh.shape != (self.n_fresh,):
             raise ValueError(f"fresh: expected {self.n_fresh} slots, got shape {fresh.shape}")
-
-        def real(a: np.ndarray) -> np.ndarray:
-            return _frozen(np.where(a <= -2, fresh[np.maximum(-a - 2, 0)] if fresh.size else a, a))
-
-        def job(c: CopyJob) -> CopyJob:
-            return CopyJob(c.tokens, real(c.src), real(c.dst), c.old_positions, c.new_positions)
-
-        p = self.plan
-        segments = tuple(
-            Segment(s.stage, s.start, s.end, s.positions, real(s.slots), s.prefix_tokens, real(s.prefix_slots),
-                    s.prefix_positions, job(s.copies))
-            for s in p.segments
-        )
-        t = p.terminal
-        terminal = TerminalView(t.tokens, real(t.slots), t.positions, job(t.copies), t.next_position)
-        return RequestPlan(p.match, segments, terminal, p.borrowed, _frozen(fresh.copy()), p.computed, p.usage)
+        plan = _map_slots(self.plan, np.concatenate([fresh, [_EMPTY]]))
+        return RequestPlan(plan.match, plan.segments, plan.terminal, plan.borrowed, _frozen(fresh.copy()),
+                           plan.computed, plan.usage)
 
 
 def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
@@ -66,11 +54,11 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
     table = _VersionTable(program, match)
     stages = StagePositions(program)
     segments = []
-    for span in segment_spans(program, computed):
+    for step, span in enumerate(segment_spans(program, computed)):
         visible = np.flatnonzero(program.visible_until[: span.start] > span.start)
         at_stage = stages.at(span.stage)[visible]
-        prefix_slots, copies = table.resolve(visible, at_stage)
-        births = table.fresh(span.end - span.start)
+        prefix_slots, copies = table.resolve(visible, at_stage, step)
+        births = table.fresh(span.end - span.start, step, pinned=True)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
         positions = program.birth_position[span.start : span.end]
         table.add(tokens, positions, births, copied=False)
@@ -80,14 +68,62 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         )
     kept = np.flatnonzero(program.keep)
     final = program.final_position[kept]
-    terminal_slots, terminal_copies = table.resolve(kept, final)
+    terminal_slots, terminal_copies = table.resolve(kept, final, len(segments), pinned=True)
     terminal = TerminalView(_frozen(kept), terminal_slots, _frozen(final), terminal_copies, program.next_position)
     from_tree = np.zeros(program.n_tokens, dtype=bool)
     from_tree[: resident.shape[0]] = resident
     usage = count_usage(program.n_prompt, from_tree, computed, table.read, table.rerotated)
     plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), _frozen(np.zeros(0, np.int64)),
                        _frozen_mask(computed), usage)
-    return DraftPlan(table.n_fresh, plan)
+    colors, n_colors = recycle_slots(table.created(), table.last_use())
+    return DraftPlan(n_colors, _map_slots(plan, -2 - np.concatenate([colors, [-1]])))
+
+
+def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray, int]:
+    """Give version ``k`` (written at step ``created[k]``, nondecreasing, last read at step
+    ``last_use[k]``) a slot number, reusing the number of a version last read at an earlier step.
+    Returns the numbers and how many are needed (the peak of live versions)."""
+    n = created.shape[0]
+    colors = np.full(n, _EMPTY, dtype=np.int64)
+    mortal = np.flatnonzero(last_use < _FOREVER)
+    mortal = mortal[np.argsort(last_use[mortal], kind="stable")]
+    deaths = last_use[mortal]
+    free = np.zeros(0, dtype=np.int64)
+    released = 0
+    n_colors = 0
+    bounds = np.flatnonzero(np.diff(created)) + 1
+    for lo, hi in zip(np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [n]]).tolist()):
+        if lo == hi:
+            continue
+        dead = int(np.searchsorted(deaths, created[lo], side="left"))
+        if dead > released:
+            free = np.concatenate([free, colors[mortal[released:dead]]])
+            released = dead
+        take = min(hi - lo, free.size)
+        colors[lo : lo + take] = free[free.size - take :]
+        free = free[: free.size - take]
+        colors[lo + take : hi] = np.arange(n_colors, n_colors + hi - lo - take)
+        n_colors += hi - lo - take
+    return colors, n_colors
+
+
+def _map_slots(plan: RequestPlan, table: np.ndarray) -> RequestPlan:
+    """Rewrite virtual ids ``-2 - k`` to ``table[k]`` everywhere in ``plan``; real slots stay."""
+
+    def real(a: np.ndarray) -> np.ndarray:
+        return _frozen(np.where(a <= -2, table[np.maximum(-a - 2, 0)], a))
+
+    def job(c: CopyJob) -> CopyJob:
+        return CopyJob(c.tokens, real(c.src), real(c.dst), c.old_positions, c.new_positions)
+
+    segments = tuple(
+        Segment(s.stage, s.start, s.end, s.positions, real(s.slots), s.prefix_tokens, real(s.prefix_slots),
+                s.prefix_positions, job(s.copies))
+        for s in plan.segments
+    )
+    t = plan.terminal
+    terminal = TerminalView(t.tokens, real(t.slots), t.positions, job(t.copies), t.next_position)
+    return RequestPlan(plan.match, segments, terminal, plan.borrowed, plan.fresh, plan.computed, plan.usage)
 
 
 class _VersionTable:
@@ -106,15 +142,29 @@ class _VersionTable:
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
         self.birth = program.birth_position
-        self.n_fresh = 0
+        self._created: list[np.ndarray] = []
+        self._last_use = np.zeros(0, dtype=np.int64)
 
-    def fresh(self, k: int) -> np.ndarray:
-        ids = -2 - np.arange(self.n_fresh, self.n_fresh + k, dtype=np.int64)
-        self.n_fresh += k
-        return ids
+    def fresh(self, k: int, step: int, *, pinned: bool) -> np.ndarray:
+        """``k`` new virtual ids written at ``step``; pinned ones live to the end of the request."""
+        start = self._last_use.shape[0]
+        self._created.append(np.full(k, step, dtype=np.int64))
+        self._last_use = np.concatenate([self._last_use, np.full(k, _FOREVER if pinned else step, dtype=np.int64)])
+        return -2 - np.arange(start, start + k, dtype=np.int64)
 
-    def resolve(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, CopyJob]:
-        """Slots holding ``tokens`` at ``positions``, making copies where no such version exists."""
+    def created(self) -> np.ndarray:
+        return np.concatenate(self._created) if self._created else np.zeros(0, dtype=np.int64)
+
+    def last_use(self) -> np.ndarray:
+        return self._last_use
+
+    def _touch(self, slots: np.ndarray, step: int) -> None:
+        virtual = -2 - slots[slots <= -2]
+        self._last_use[virtual] = np.maximum(self._last_use[virtual], step)
+
+    def resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int, *, pinned: bool = False) -> tuple[np.ndarray, CopyJob]:
+        """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
+        version exists (``pinned`` copies live to the end)."""
         valid = self.slots[tokens] != _EMPTY
         exact = valid & (self.positions[tokens] == positions[:, None])
         found = exact.any(axis=1)
@@ -133,7 +183,9 @@ class _VersionTable:
         src = self.slots[need, src_col]
         old = self.positions[need, src_col]
         self.used[need, src_col] = True
-        dst = self.fresh(need.size)
+        self._touch(out[found], _FOREVER if pinned else step)
+        self._touch(src, step)
+        dst = self.fresh(need.size, step, pinned=pinned)
         new = positions[~found]
         self.add(need, new, dst, copied=True)
         self.rerotated[need] = True
