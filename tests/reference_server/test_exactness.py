@@ -24,6 +24,10 @@ MODEL = "tiny-test"
 RECORD_ID = {"type": "object", "properties": {"record_id": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "read a record",
                                            "parameters": RECORD_ID}}]
+# What SGLang's serving_chat passes to the template for TOOLS: each Tool's pydantic model_dump().
+TOOLS_AS_RENDERED = [{"type": "function", "function": {"description": "read a record", "name": "read_record",
+                                                       "parameters": RECORD_ID, "strict": False},
+                      "defer_loading": None}]
 
 
 def _call(i: int, record: str) -> dict[str, Any]:
@@ -68,7 +72,8 @@ def body(n_messages: int, **fields: Any) -> dict[str, Any]:
 def provenance(served: Any, n_messages: int) -> Any:
     files = load_model_dir(served.model_dir)
     messages = prepare_messages(CONVERSATION[:n_messages])  # SGLang's normalisation, as the client models it
-    owned = ChatTemplate(files.chat_template).render_owned(messages, tools=TOOLS, add_generation_prompt=True)
+    owned = ChatTemplate(files.chat_template).render_owned(messages, tools=TOOLS_AS_RENDERED,
+                                                          add_generation_prompt=True)
     return token_provenance(owned, files.tokenizer)
 
 
