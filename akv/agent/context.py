@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ class DecisionState:
     candidates: dict[str, dict[int, None]] = field(default_factory=dict)
     admitted_until: int = 0
     counts: dict[int, _CountCache] = field(default_factory=dict)
-    requests: dict[str, tuple[ModelRequest, ...]] = field(default_factory=dict)
+    requests: dict[str, tuple[tuple[ModelRequest, ...], list[int]]] = field(default_factory=dict)
 
     def hide(self, ids: Sequence[int]) -> None:
         roles, candidates = self.conversation.roles, self.candidates
@@ -148,11 +149,13 @@ class DecisionContext:
 
     def visible_tokens(self, counter: TokenCounter) -> int:
         """Tokens the next query would read: `prompt_tokens` minus every hidden message."""
-        return self.prompt_tokens(counter) - self._state.count(counter).hidden_tokens
+        cache = self._state.count(counter)
+        return cache.prefix[self.boundary + 1] + cache.layout.generation_tokens - cache.hidden_tokens
 
     def position_length(self, counter: TokenCounter) -> int:
         """The next free position: `prompt_tokens` minus the tokens already compacted away."""
-        return self.prompt_tokens(counter) - self._state.count(counter).compacted_tokens
+        cache = self._state.count(counter)
+        return cache.prefix[self.boundary + 1] + cache.layout.generation_tokens - cache.compacted_tokens
 
     @property
     def uncompacted(self) -> tuple[int, ...]:
@@ -160,11 +163,14 @@ class DecisionContext:
         return tuple(self._state.hidden_order[self._state.compacted_count:])
 
     def model_requests(self, tool_name: str) -> tuple[ModelRequest, ...]:
-        """Successful receipts of the drop tool `tool_name` at boundaries up to this one."""
+        """Successful receipts of the drop tool `tool_name` at boundaries up to this one, in message order."""
         state = self._state
-        if tool_name not in state.requests:
-            state.requests[tool_name] = find_model_requests(state.messages, state.conversation, tool_name)
-        return tuple(r for r in state.requests[tool_name] if r.boundary <= self.boundary)
+        found = state.requests.get(tool_name)
+        if found is None:
+            requests = find_model_requests(state.messages, state.conversation, tool_name)
+            found = state.requests[tool_name] = (requests, [r.boundary for r in requests])
+        requests, boundaries = found
+        return requests[:bisect.bisect_right(boundaries, self.boundary)]
 
 
 def check_ids(ids: object, ctx: DecisionContext, rule: object) -> list[int]:

@@ -51,20 +51,22 @@ class TokenCounter(Protocol):
 
 def message_text(message: Mapping[str, object]) -> str:
     """The text a message carries: content (text parts joined), reasoning and tool-call arguments."""
-    parts: list[str] = []
     content = message.get("content")
+    calls = message.get("tool_calls")
+    reasoning = message.get("reasoning_content")
+    if calls is None and reasoning is None and type(content) is str:
+        return content
+    parts: list[str] = []
     if isinstance(content, str):
         parts.append(content)
     elif isinstance(content, list):
         parts.extend(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
-    reasoning = message.get("reasoning_content")
     if isinstance(reasoning, str):
         parts.append(reasoning)
-    calls = message.get("tool_calls")
     if isinstance(calls, list):
         for call in calls:
-            function = call.get("function") if isinstance(call, Mapping) else None
-            if isinstance(function, Mapping):
+            function = call.get("function") if type(call) is dict or isinstance(call, Mapping) else None
+            if type(function) is dict or isinstance(function, Mapping):
                 arguments = function.get("arguments")
                 parts.append(str(function.get("name", "")))
                 parts.append(arguments if isinstance(arguments, str) else json.dumps(arguments))
@@ -96,9 +98,10 @@ class ApproximateTokenCounter:
                api_style: str = "sglang") -> TokenLayout:
         spans = []
         start = 0
-        extra = math.ceil(len(json.dumps(list(tools))) / self.chars_per_token) if tools else 0
+        chars_per_token, overhead, ceil = self.chars_per_token, self.message_overhead, math.ceil
+        extra = ceil(len(json.dumps(list(tools))) / chars_per_token) if tools else 0
         for message in messages:
-            end = start + self.message_overhead + extra + math.ceil(len(message_text(message)) / self.chars_per_token)
+            end = start + overhead + extra + ceil(len(message_text(message)) / chars_per_token)
             spans.append((start, end))
             start, extra = end, 0
         return TokenLayout(tuple(spans), self.generation_tokens)

@@ -86,6 +86,7 @@ def parse_conversation(messages: object,
     tool_names: list[str | None] = [None] * n
     batch_of = [-1] * n
     batches: list[Batch] = []
+    ends: list[int] = []
     first_user: int | None = None
     pending: dict[str, str] = {}
     open_assistant = -1
@@ -98,10 +99,12 @@ def parse_conversation(messages: object,
                 f"message {open_assistant}: missing tool results for call ids {sorted(pending)}"
                 + (f" before message {at}" if at < n else " at the end of the conversation"),
                 message_id=open_assistant, field="messages")
-        batch_of[open_assistant] = len(batches)
+        index = len(batches)
+        batch_of[open_assistant] = index
         for r in open_results:
-            batch_of[r] = len(batches)
+            batch_of[r] = index
         batches.append(Batch(open_assistant, tuple(open_results)))
+        ends.append(open_results[-1])
         open_assistant, open_results = -1, []
 
     for i, message in enumerate(messages):
@@ -129,16 +132,16 @@ def parse_conversation(messages: object,
             continue
         if open_assistant >= 0:
             close_batch(i)
-        if role == "user" and first_user is None:
-            first_user = i
         if role == "assistant":
             calls = _tool_calls(message, i)
             if calls:
                 open_assistant = i
                 pending = calls
+        elif role == "user" and first_user is None:
+            first_user = i
     if open_assistant >= 0:
         close_batch(n)
-    native = tuple(b.end for b in batches)
+    native = tuple(ends)
     boundaries = native if completed_call_message_ids is None else _explicit_boundaries(
         completed_call_message_ids, roles, native)
     return Conversation(tuple(roles), tuple(tool_names), tuple(batches), tuple(batch_of), boundaries, first_user)

@@ -51,4 +51,5 @@ class ModelReposition:
         checks.tool_name("ModelReposition", self.tool_name)
 
     def __call__(self, ctx: DecisionContext) -> bool:
-        return any(r.boundary == ctx.boundary for r in ctx.model_requests(self.tool_name))
+        requests = ctx.model_requests(self.tool_name)
+        return bool(requests) and requests[-1].boundary == ctx.boundary
