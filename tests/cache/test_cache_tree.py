@@ -92,3 +92,10 @@ def test_flush_returns_every_reference() -> None:
     assert tree.resident_slots().size == 6
     tree.flush()
     assert pool.n_free == 16 and tree.n_nodes == 0
+
+
+def test_stats_count_tokens_not_events() -> None:
+    tree = RadixTree(SlotPool(16))
+    _publish(tree, RecordKey(np.array([1, 2, DROP_OPEN, -8, -9, DROP_CLOSE, 5]), np.array([0, 1, 6])), [0, 1, 2])
+    _publish(tree, plain_key(np.array([1, 2, 3])), [0, 0, 2])
+    assert tree.stats() == {"nodes": 3, "token_records": 4, "versions": 5}

@@ -61,7 +61,7 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         births = table.fresh(span.end - span.start, step, pinned=True)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
         positions = program.birth_position[span.start : span.end]
-        table.add(tokens, positions, births, copied=False)
+        table.add_births(tokens, positions, births)
         segments.append(
             Segment(span.stage, span.start, span.end, _frozen(positions), births, _frozen(visible), prefix_slots,
                     _frozen(at_stage), copies)
@@ -127,40 +127,43 @@ def _map_slots(plan: RequestPlan, table: np.ndarray) -> RequestPlan:
 
 
 class _VersionTable:
-    """The request's view of every token's versions: tree ones from the match, then its own."""
+    """The request's view of every token's versions: the tree's (from the match), then two of its
+    own per token: the birth version it computed and the latest copy it made. Positions only ever
+    decrease from stage to stage, so an older copy is never read again by a later step."""
 
     def __init__(self, program: ContextProgram, match: MatchResult) -> None:
         n, m = program.n_tokens, match.n_tokens
-        width = match.slots.shape[1] + 1
-        self.slots = np.full((n, width), _EMPTY, dtype=np.int64)
-        self.positions = np.full((n, width), _EMPTY, dtype=np.int64)
-        self.slots[:m, : width - 1] = match.slots
-        self.positions[:m, : width - 1] = np.where(match.slots >= 0, match.positions, _EMPTY)
-        self.from_tree = self.slots >= 0
-        self.copied = np.zeros((n, width), dtype=bool)
-        self.used = np.zeros((n, width), dtype=bool)
+        tree_width = match.slots.shape[1]
+        self.birth_col, self.copy_col = tree_width, tree_width + 1
+        self.slots = np.full((n, tree_width + 2), _EMPTY, dtype=np.int64)
+        self.positions = np.full_like(self.slots, _EMPTY)
+        self.slots[:m, :tree_width] = match.slots
+        self.positions[:m, :tree_width] = np.where(match.slots >= 0, match.positions, _EMPTY)
+        self.used = np.zeros(self.slots.shape, dtype=bool)
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
         self.birth = program.birth_position
-        self._created: list[np.ndarray] = []
-        self._last_use = np.zeros(0, dtype=np.int64)
+        self._n_fresh = 0
+        self._created = np.zeros(max(n, 16), dtype=np.int64)
+        self._last_use = np.zeros(max(n, 16), dtype=np.int64)
 
     def fresh(self, k: int, step: int, *, pinned: bool) -> np.ndarray:
         """``k`` new virtual ids written at ``step``; pinned ones live to the end of the request."""
-        start = self._last_use.shape[0]
-        self._created.append(np.full(k, step, dtype=np.int64))
-        self._last_use = np.concatenate([self._last_use, np.full(k, _FOREVER if pinned else step, dtype=np.int64)])
-        return -2 - np.arange(start, start + k, dtype=np.int64)
+        start, end = self._n_fresh, self._n_fresh + k
+        if end > self._created.shape[0]:
+            grow = max(end, 2 * self._created.shape[0]) - self._created.shape[0]
+            self._created = np.concatenate([self._created, np.zeros(grow, dtype=np.int64)])
+            self._last_use = np.concatenate([self._last_use, np.zeros(grow, dtype=np.int64)])
+        self._created[start:end] = step
+        self._last_use[start:end] = _FOREVER if pinned else step
+        self._n_fresh = end
+        return -2 - np.arange(start, end, dtype=np.int64)
 
     def created(self) -> np.ndarray:
-        return np.concatenate(self._created) if self._created else np.zeros(0, dtype=np.int64)
+        return self._created[: self._n_fresh]
 
     def last_use(self) -> np.ndarray:
-        return self._last_use
-
-    def _touch(self, slots: np.ndarray, step: int) -> None:
-        virtual = -2 - slots[slots <= -2]
-        self._last_use[virtual] = np.maximum(self._last_use[virtual], step)
+        return self._last_use[: self._n_fresh]
 
     def resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int, *, pinned: bool = False) -> tuple[np.ndarray, CopyJob]:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
@@ -172,47 +175,37 @@ class _VersionTable:
         out = np.where(found, self.slots[tokens, col], _EMPTY)
         rows = np.flatnonzero(found)
         self.used[tokens[rows], col[rows]] = True
-        self.rerotated[tokens[rows]] |= self.copied[tokens[rows], col[rows]]
+        self.rerotated[tokens[rows]] |= col[rows] == self.copy_col
         self.read[tokens] = True
+        self._touch(out[found], _FOREVER if pinned else step)
         need = tokens[~found]
-        if need.size and not valid[~found].any(axis=1).all():
-            bad = int(need[~valid[~found].any(axis=1)][0])
-            raise PlanningError(f"token {bad} is read but has no version to copy from")
+        has_source = valid[~found].any(axis=1)
+        if not has_source.all():
+            raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
         at_birth = valid[~found] & (self.positions[need] == self.birth[need][:, None])
         src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), valid[~found].argmax(axis=1))
         src = self.slots[need, src_col]
         old = self.positions[need, src_col]
         self.used[need, src_col] = True
-        self._touch(out[found], _FOREVER if pinned else step)
         self._touch(src, step)
         dst = self.fresh(need.size, step, pinned=pinned)
         new = positions[~found]
-        self.add(need, new, dst, copied=True)
+        self.slots[need, self.copy_col] = dst
+        self.positions[need, self.copy_col] = new
         self.rerotated[need] = True
         out[~found] = dst
         return _frozen(out), CopyJob(_frozen(need), _frozen(src), _frozen(dst), _frozen(old), _frozen(new))
 
-    def add(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, *, copied: bool) -> None:
-        free = self.slots[tokens] == _EMPTY
-        if not free.any(axis=1).all():
-            self._widen()
-            free = self.slots[tokens] == _EMPTY
-        col = free.argmax(axis=1)
-        self.slots[tokens, col] = slots
-        self.positions[tokens, col] = positions
-        self.copied[tokens, col] = copied
+    def add_births(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        self.slots[tokens, self.birth_col] = slots
+        self.positions[tokens, self.birth_col] = positions
 
     def borrowed(self) -> np.ndarray:
-        return _frozen(self.slots[self.used & self.from_tree])
+        return _frozen(self.slots[:, : self.birth_col][self.used[:, : self.birth_col]])
 
-    def _widen(self) -> None:
-        n = self.slots.shape[0]
-        pad = np.full((n, 1), _EMPTY, dtype=np.int64)
-        self.slots = np.concatenate([self.slots, pad], axis=1)
-        self.positions = np.concatenate([self.positions, pad], axis=1)
-        self.from_tree = np.concatenate([self.from_tree, np.zeros((n, 1), bool)], axis=1)
-        self.copied = np.concatenate([self.copied, np.zeros((n, 1), bool)], axis=1)
-        self.used = np.concatenate([self.used, np.zeros((n, 1), bool)], axis=1)
+    def _touch(self, slots: np.ndarray, step: int) -> None:
+        virtual = -2 - slots[slots <= -2]
+        self._last_use[virtual] = np.maximum(self._last_use[virtual], step)
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:

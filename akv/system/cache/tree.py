@@ -68,6 +68,15 @@ class RadixTree:
     def n_nodes(self) -> int:
         return self._n_nodes
 
+    def stats(self) -> dict[str, int]:
+        """Nodes, token records (events excluded) and resident versions held."""
+        nodes = self._nodes()
+        return {
+            "nodes": len(nodes),
+            "token_records": sum(int((n.key >= 0).sum()) for n in nodes),
+            "versions": sum(int((n.slots >= 0).sum()) for n in nodes),
+        }
+
     def resident_slots(self) -> np.ndarray:
         """Every slot the tree holds a reference to (one entry per version)."""
         parts = [n.slots[n.slots >= 0] for n in self._nodes()]

@@ -1,0 +1,175 @@
+"""Cache core throughput on CPU: a tree holding ~1M tokens from 1,000 synthetic agent conversations.
+
+Measured in one run: building the tree turn by turn through the core (match + plan + allocate +
+publish); match and insert throughput on the full tree (insert = republishing a request's resident
+path, what every finished turn does); planning time per request for each conversation's next turn;
+admission time for one long (32k-token) agent context, cold and warm.
+
+    python bench/cache_core.py --out bench/results/cache_core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from akv.system.cache.core import CacheCore
+from akv.system.cache.keys import program_key
+from akv.system.cache.occurrence import plan_occurrences
+from akv.system.cache.pool import SlotPool
+from akv.system.context.compiler import compile_program
+from akv.system.context.program import ContextProgram
+from akv.system.context.rules import parse_rules
+
+VOCAB = 150_000
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Token lists per message plus the agent's drop/reposition decisions, as sent on the wire."""
+
+    messages: list[np.ndarray]
+    drops: dict[int, list[int]]
+    repositions: list[int]
+
+    def program(self, turn: int) -> ContextProgram:
+        ids = np.concatenate(self.messages[: turn + 1])
+        owners = np.repeat(np.arange(turn + 1), [m.size for m in self.messages[: turn + 1]])
+        drops = {str(a): ms for a, ms in self.drops.items() if a <= turn} or None
+        repositions = [r for r in self.repositions if r <= turn] or None
+        return compile_program(ids, owners, parse_rules(drops, repositions, turn + 1), turn + 1)
+
+
+def make_conversation(rng: np.random.Generator, system: np.ndarray, n_messages: int, mean_len: int) -> Conversation:
+    """Shared system prompt, then user/assistant/tool messages; every 4th message the agent drops an
+    old tool result, every 8th it also repositions."""
+    messages = [system] + [rng.integers(0, VOCAB, size=int(rng.integers(mean_len // 2, mean_len * 3 // 2)))
+                           for _ in range(n_messages - 1)]
+    drops: dict[int, list[int]] = {}
+    repositions: list[int] = []
+    dropped: set[int] = set()
+    for anchor in range(4, n_messages, 4):
+        candidates = [m for m in range(1, anchor - 1) if m not in dropped]
+        if candidates:
+            victim = int(rng.choice(candidates))
+            drops[anchor] = [victim]
+            dropped.add(victim)
+        if anchor % 8 == 0:
+            repositions.append(anchor)
+    return Conversation(messages, drops, repositions)
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    ms = np.array(seconds) * 1e3
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p95_ms": round(float(np.percentile(ms, 95)), 3),
+            "mean_ms": round(float(ms.mean()), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=1000)
+    parser.add_argument("--messages", type=int, default=12)
+    parser.add_argument("--mean-len", type=int, default=100)
+    parser.add_argument("--system-len", type=int, default=200)
+    parser.add_argument("--long-tokens", type=int, default=32_768)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(0, VOCAB, size=args.system_len)
+    convs = [make_conversation(rng, system, args.messages, args.mean_len) for _ in range(args.conversations)]
+    total = sum(c.program(args.messages - 2).n_tokens for c in convs)
+    pool = SlotPool(int(total * 2.5) + 100_000)
+    core = CacheCore(pool)
+
+    build_tokens, build_seconds = 0, 0.0
+    for conv in convs:
+        for turn in range(args.messages - 1):
+            program = conv.program(turn)
+            start = time.perf_counter()
+            request = core.admit(program)
+            core.finish(request)
+            build_seconds += time.perf_counter() - start
+            build_tokens += program.n_tokens
+    tree_stats = core.tree.stats()
+
+    keys = [core.admit(c.program(args.messages - 2)) for c in convs]
+    for request in keys:
+        core.finish(request)
+    match_seconds, matched = 0.0, 0
+    for request in keys:
+        result, seconds = timed(core.tree.match, request.key)
+        match_seconds += seconds
+        matched += result.n_tokens
+    insert_seconds, inserted = 0.0, 0
+    for request in keys:
+        found = core.tree.match(request.key)
+        terminal = np.asarray(request.program.final_position)
+        _, seconds = timed(core.tree.insert, request.key, found.slots, found.positions, terminal)
+        insert_seconds += seconds
+        inserted += request.key.n_tokens
+
+    plan_times, admit_times, prompt_tokens, computed_tokens = [], [], [], []
+    for conv in convs:
+        program = conv.program(args.messages - 1)
+        match = core.tree.match(program_key(program))
+        _, seconds = timed(plan_occurrences, program, match)
+        plan_times.append(seconds)
+        request, seconds = timed(core.admit, program)
+        admit_times.append(seconds)
+        prompt_tokens.append(program.n_tokens)
+        computed_tokens.append(int(request.plan.computed.sum()))
+        core.abort(request)
+
+    long_conv = make_conversation(rng, system, max(4, args.long_tokens // args.mean_len), args.mean_len)
+    long_first = long_conv.program(len(long_conv.messages) - 2)
+    long_next = long_conv.program(len(long_conv.messages) - 1)
+    cold, cold_seconds = timed(core.admit, long_first)
+    core.finish(cold)
+    warm_times = []
+    for _ in range(5):
+        request, seconds = timed(core.admit, long_next)
+        warm_times.append(seconds)
+        core.abort(request)
+
+    result = {
+        "command": "python bench/cache_core.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+        "tree": {"conversations": len(convs), **tree_stats},
+        "build_turn_by_turn": {"requests": len(convs) * (args.messages - 1), "prompt_tokens": build_tokens,
+                               "seconds": round(build_seconds, 3),
+                               "prompt_tokens_per_s": round(build_tokens / build_seconds)},
+        "match_full_tree": {"requests": len(keys), "matched_tokens": matched, "seconds": round(match_seconds, 4),
+                            "tokens_per_s": round(matched / match_seconds)},
+        "insert_full_tree_republish": {"requests": len(keys), "tokens": inserted, "seconds": round(insert_seconds, 4),
+                                        "tokens_per_s": round(inserted / insert_seconds)},
+        "plan_next_turn": {"mean_prompt_tokens": round(float(np.mean(prompt_tokens)), 1),
+                           "mean_computed_tokens": round(float(np.mean(computed_tokens)), 1),
+                           "plan_occurrences": percentiles(plan_times), "admit": percentiles(admit_times)},
+        "long_context": {"prompt_tokens": long_next.n_tokens, "events": len(long_next.events),
+                         "cold_admit_ms": round(cold_seconds * 1e3, 2), "warm_admit": percentiles(warm_times)},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
