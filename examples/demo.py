@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per socket operation")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="model dir whose chat template the token policy counts with "
+                             "(default: --model-path; else a character estimate)")
     return parser
 
 
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DemoConfig(base_url=base_url, model=model, output=args.output, policy=args.policy,
                         scripted=args.scripted, steps=args.steps, manifest_lines=args.manifest_lines,
                         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                        timeout_s=args.timeout)
+                        timeout_s=args.timeout, tokenizer_dir=args.tokenizer or args.model_path)
     try:
         result = run_demo(config, log=lambda line: print(line, flush=True))
     except ArtifactError as exc:

@@ -18,7 +18,7 @@ from akv.agent import CacheOperationHistory
 from akv.agent import send_chat_request
 from akv_demo.artifacts import RunArtifacts
 from akv_demo.plot import write_svg
-from akv_demo.policies import DemoPolicy, make_policy
+from akv_demo.policies import DemoPolicy, make_counter, make_policy
 from akv_demo.records import TOOL_NAME, ShipmentChain, read_record_schema, run_read_record
 from akv_demo.report import StepRecord, summary_table, totals
 
@@ -41,6 +41,7 @@ class DemoConfig:
     temperature: float = 0.0
     seed: int = 7
     timeout_s: float = 600.0
+    tokenizer_dir: Path | None = None
     extra_fields: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,7 +74,10 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
     """Run the loop until the final answer (or ``steps + 2`` calls), writing artifacts as it goes."""
     artifacts = RunArtifacts(config.output)
     chain = ShipmentChain.generate(config.steps, manifest_lines=config.manifest_lines, seed=config.seed)
-    demo = make_policy(config.policy, record_tokens=len(chain.read(chain.first_id)) // 4)
+    counter = make_counter(config.tokenizer_dir) if config.policy == "token" else None
+    record = {"role": "tool", "content": chain.read(chain.first_id)}
+    record_tokens = counter.layout([record]).message_tokens[0] if counter else len(record["content"]) // 4
+    demo = make_policy(config.policy, record_tokens=record_tokens, counter=counter)
     tools = [read_record_schema()] + ([demo.drop_tool.schema()] if demo.drop_tool else [])
     artifacts.write("run.json", {
         "base_url": config.base_url, "model": config.model, "policy": config.policy,
@@ -96,6 +100,8 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
         artifacts.write_step(step, "payload_before", payload)
         artifacts.write_step(step, "payload_after", sent)
         artifacts.write_step(step, "history", json.loads(history.to_json()))
+        log(f"[step {step:2d}] sending {len(sent['messages'])} messages; drop_message="
+            f"{sent.get('drop_message', {})} reposition={sent.get('reposition', [])}")
         started = time.perf_counter()
         result = send_chat_request(config.base_url, sent, trace=artifacts.trace_dir(step), timeout=config.timeout_s)
         latency = time.perf_counter() - started
@@ -111,7 +117,7 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
         record = StepRecord.from_usage(step, len(sent["messages"]), usage, latency, len(history.hidden),
                                        len(history.reposition()), action)
         records.append(record)
-        log(f"[step {step:2d}] sent {record.prompt_tokens:6d} tok | cached {record.cached_tokens:6d} | "
+        log(f"[step {step:2d}] served {record.prompt_tokens:6d} tok | cached {record.cached_tokens:6d} | "
             f"re-rotated {record.repos_tokens:5d} | skipped {record.drop_skipped_tokens:5d} | "
             f"computed {record.computed_tokens:6d} | {latency:6.2f} s | {action}")
         if answer is not None:

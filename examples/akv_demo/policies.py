@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from akv.agent import (
     ApproximateTokenCounter,
@@ -11,6 +12,7 @@ from akv.agent import (
     ModelReposition,
     ModelSelection,
     ModelTrigger,
+    TokenCounter,
     TokenReposition,
     TokenSelection,
     TokenTrigger,
@@ -32,20 +34,32 @@ class DemoPolicy:
     description: str
 
 
-def make_policy(kind: str, *, record_tokens: int) -> DemoPolicy:
-    """``record_tokens`` is the approximate size of one record; token thresholds scale with it."""
+def make_counter(tokenizer_dir: Path | None) -> TokenCounter:
+    """The model's own template counter when its directory is known (needs ``akv[tokenization]``),
+    else the dependency-free estimate."""
+    if tokenizer_dir is None:
+        return ApproximateTokenCounter()
+    from akv.agent.tokens import ChatTemplateTokenCounter
+
+    return ChatTemplateTokenCounter.from_pretrained(str(tokenizer_dir))
+
+
+def make_policy(kind: str, *, record_tokens: int, counter: TokenCounter | None = None) -> DemoPolicy:
+    """``record_tokens`` is the size of one record as ``counter`` counts it; token thresholds scale
+    with it. ``counter`` defaults to the dependency-free estimate."""
     if kind == "turn":
         return DemoPolicy(kind, CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(2),
                                             reposition=TurnReposition(after=1, every=1)), None,
                           "keep the 2 newest records, drop older ones; reposition after each drop")
     if kind == "token":
-        counter = ApproximateTokenCounter()
+        counter = counter or ApproximateTokenCounter()
         threshold, target = 3 * record_tokens, 2 * record_tokens
         return DemoPolicy(kind, CachePolicy(trigger=TokenTrigger(threshold, counter),
                                             selector=TokenSelection(target, counter),
                                             reposition=TokenReposition(threshold, counter)), None,
                           f"drop oldest records once the visible prompt exceeds ~{threshold} tokens "
-                          f"(down to ~{target}); reposition past ~{threshold} positions")
+                          f"(down to ~{target}); reposition past ~{threshold} positions; counted by "
+                          f"{type(counter).__name__}")
     if kind == "model":
         policy = CachePolicy(trigger=ModelTrigger(), selector=ModelSelection(), reposition=ModelReposition())
         return DemoPolicy(kind, policy, policy.drop_context_tool(),
