@@ -17,7 +17,9 @@
 #
 # Knobs: AKV_BENCH / AKV_BENCH_LIVE  space-separated scripts, each run as `python SCRIPT` with
 #          SGLANG_BASE_URL (live only), AKV_TINY_MODEL, AKV_MODEL_8B, AKV_BENCH_OUT exported
-#        PYTEST_ARGS (default "-m gpu tests/"), PYTEST_TIMEOUT_S (default 240), SKIP_PYTEST=1
+#        PYTEST_ARGS (default "-m gpu tests/"), PYTEST_TIMEOUT_S (default 240), SKIP_PYTEST=1,
+#          PYTEST_TEST_TIMEOUT_S (per test, default 120), PYTEST_LIVE_ARGS (pytest arguments run while
+#          the server is up, with SGLANG_BASE_URL, MODEL_DIR and AKV_SERVER=1 set)
 #        SERVER_ARGS (default "--disable-cuda-graph --sampling-backend pytorch")
 #        READY_TIMEOUT_S (default 300), DEADLINE_S (default 540: later steps are skipped after it)
 #        PORT (default 30000), SAVE_JIT_CACHE (default 0)
@@ -147,7 +149,8 @@ timed make_models python3 tools/gpu/make_models.py --tiny "$TINY" --qwen3-8b "$M
 # ---------------------------------------------------------------------- pytest ---
 if [ "${SKIP_PYTEST:-0}" != 1 ]; then
   read -r -a PYTEST_ARGV <<< "${PYTEST_ARGS:--m gpu tests/}"
-  timed pytest_gpu timeout "$PYTEST_TIMEOUT_S" python3 -m pytest -q -rA "${PYTEST_ARGV[@]}" \
+  timed pytest_gpu timeout "$PYTEST_TIMEOUT_S" python3 -m pytest -q -rA --tb=short -p no:cacheprovider \
+    --timeout="${PYTEST_TEST_TIMEOUT_S:-120}" "${PYTEST_ARGV[@]}" \
     --junitxml="$WORK/logs/pytest-gpu.xml" > "$OUT/pytest-gpu.log" 2>&1
   tail -n 25 "$OUT/pytest-gpu.log"
 fi
@@ -189,6 +192,12 @@ elif timed server_ready start_server; then
   timed smoke python3 tools/gpu/smoke_client.py --base "http://127.0.0.1:$PORT" --json "$WORK/smoke.json"
   read -r -a LIVE <<< "${AKV_BENCH_LIVE:-}"
   export SGLANG_BASE_URL="http://127.0.0.1:$PORT"
+  if [ -n "${PYTEST_LIVE_ARGS:-}" ]; then
+    read -r -a LIVE_ARGV <<< "$PYTEST_LIVE_ARGS"
+    timed pytest_live env MODEL_DIR="$TINY" AKV_SERVER=1 timeout "$(left)" python3 -m pytest -q -rA --tb=short \
+      -p no:cacheprovider --timeout="${PYTEST_TEST_TIMEOUT_S:-120}" "${LIVE_ARGV[@]}" > "$OUT/pytest-live.log" 2>&1
+    tail -n 25 "$OUT/pytest-live.log"
+  fi
   run_bench_list live "${LIVE[@]}"
   unset SGLANG_BASE_URL
 fi
