@@ -71,9 +71,32 @@ def copy_json(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def with_fields(payload: Mapping[str, Any], history: CacheOperationHistory, api_style: str) -> dict[str, Any]:
-    """A deep copy of `payload` carrying the cumulative AKV fields of `history`."""
-    new = copy_json(dict(payload))
+def copy_json_pair(value: Any) -> tuple[Any, Any]:
+    """Two deep copies of a JSON-like value that share nothing mutable with it or with each other,
+    made in one walk (cheaper than calling `copy_json` twice)."""
+    kind = type(value)
+    if kind is dict:
+        first, second = value.copy(), value.copy()
+        for k, v in value.items():
+            if type(v) not in _SCALARS:
+                first[k], second[k] = copy_json_pair(v)
+        return first, second
+    if kind is list:
+        first, second = value.copy(), value.copy()
+        for k, v in enumerate(value):
+            if type(v) not in _SCALARS:
+                first[k], second[k] = copy_json_pair(v)
+        return first, second
+    if kind in _SCALARS:
+        return value, value
+    return copy.deepcopy(value), copy.deepcopy(value)
+
+
+def with_fields(payload: Mapping[str, Any], messages: list[Any], history: CacheOperationHistory,
+                api_style: str) -> dict[str, Any]:
+    """A deep copy of `payload` carrying the cumulative AKV fields of `history`; `messages` must be a
+    private copy of the payload's messages, used as is."""
+    new = {key: messages if key == "messages" else copy_json(value) for key, value in payload.items()}
     fields = akv_fields(history)
     if api_style == "openai":
         if fields or "extra_body" in new:

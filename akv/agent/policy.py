@@ -12,7 +12,7 @@ from akv.agent.counting import TokenCounter
 from akv.agent.errors import ConfigError, HistoryError, RuleError
 from akv.agent.history import EMPTY_PREFIX, CacheOperation, CacheOperationHistory, extend_digest, settings_digest
 from akv.agent.messages import parse_conversation
-from akv.agent.payload import check_payload, copy_json, with_fields
+from akv.agent.payload import check_payload, copy_json, copy_json_pair, with_fields
 from akv.agent.protection import Protection
 from akv.agent.tool import DropContextTool
 
@@ -72,13 +72,11 @@ class CachePolicy:
         conversation = parse_conversation(messages, completed_call_message_ids)
         settings = settings_digest(payload, api_style)
         start = 0
-        snapshot: list[Any] = []
         if history is not None:
             _check_history(history, conversation.boundaries, messages, settings)
             if history.message_count == len(messages):
-                return with_fields(payload, history, api_style), history
+                return with_fields(payload, copy_json(messages), history, api_style), history
             start = history.message_count
-            snapshot = history.snapshot if history.snapshot is not None else copy_json(messages[:start])
         state = DecisionState(messages, conversation, self.protection.protected(conversation),
                               payload.get("tools"), payload.get("chat_template_kwargs"), api_style)
         operations = list(history.operations) if history is not None else []
@@ -93,9 +91,13 @@ class CachePolicy:
                 if op is not None:
                     operations.append(op)
             previous = boundary
-        new_history = CacheOperationHistory.extending(history, tuple(operations), settings,
-                                                      snapshot + copy_json(messages[start:]))
-        return with_fields(payload, new_history, api_style), new_history
+        if history is None or history.snapshot is None:
+            snapshot, sent = copy_json_pair(messages)
+        else:
+            kept, added = copy_json_pair(messages[start:])
+            snapshot, sent = history.snapshot + kept, copy_json(messages[:start]) + added
+        new_history = CacheOperationHistory.extending(history, tuple(operations), settings, snapshot)
+        return with_fields(payload, sent, new_history, api_style), new_history
 
     def _decide(self, state: DecisionState, boundary: int, turn: int, previous: int) -> CacheOperation | None:
         state.admit_until(previous + 1)
