@@ -79,7 +79,8 @@ class CacheOperationHistory:
     `message_count` messages have been seen; `prefix_digest` is the digest of those messages and
     `settings_digest` that of the model/tools/template settings they were decided under. A history
     returned by `CachePolicy.process` also keeps, in memory only, a copy of those messages so that
-    the next call can check its prefix without re-hashing it."""
+    the next call can check its prefix without re-hashing it, and computes `prefix_digest` from that
+    copy only when it is first read (by `to_json()`, a comparison, or the caller)."""
 
     operations: tuple[CacheOperation, ...]
     message_count: int
@@ -136,6 +137,7 @@ class CacheOperationHistory:
         return self.__dict__["_digest_source"]
 
     def __getattr__(self, name: str) -> Any:
+        """Reached only for attributes not set: computes and keeps a deferred `prefix_digest`."""
         source = self.__dict__.get("_digest_source")
         if name != "prefix_digest" or source is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

@@ -10,7 +10,13 @@ from akv.agent import checks
 from akv.agent.context import DecisionContext, DecisionState, check_ids
 from akv.agent.counting import TokenCounter
 from akv.agent.errors import ConfigError, HistoryError, RuleError
-from akv.agent.history import EMPTY_PREFIX, CacheOperation, CacheOperationHistory, extend_digest, settings_digest
+from akv.agent.history import (
+    EMPTY_PREFIX,
+    CacheOperation,
+    CacheOperationHistory,
+    extend_digest,
+    settings_digest,
+)
 from akv.agent.messages import parse_conversation
 from akv.agent.payload import check_payload, copy_json, copy_json_pair, with_fields
 from akv.agent.protection import Protection

@@ -11,7 +11,14 @@ import random
 
 import pytest
 
-from akv.agent import CacheOperationHistory, CachePolicy, HistoryError, TurnReposition, TurnSelection, TurnTrigger
+from akv.agent import (
+    CacheOperationHistory,
+    CachePolicy,
+    HistoryError,
+    TurnReposition,
+    TurnSelection,
+    TurnTrigger,
+)
 
 from .conversations import payload, random_conversation
 
