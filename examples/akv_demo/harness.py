@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ class DemoConfig:
     seed: int = 7
     timeout_s: float = 600.0
     tokenizer_dir: Path | None = None
-    extra_fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,8 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
     artifacts = RunArtifacts(config.output)
     chain = ShipmentChain.generate(config.steps, manifest_lines=config.manifest_lines, seed=config.seed)
     counter = make_counter(config.tokenizer_dir) if config.policy == "token" else None
-    record = {"role": "tool", "content": chain.read(chain.first_id)}
-    record_tokens = counter.layout([record]).message_tokens[0] if counter else len(record["content"]) // 4
+    sample = {"role": "tool", "content": chain.read(chain.first_id)}
+    record_tokens = counter.layout([sample]).message_tokens[0] if counter else len(sample["content"]) // 4
     demo = make_policy(config.policy, record_tokens=record_tokens, counter=counter)
     tools = [read_record_schema()] + ([demo.drop_tool.schema()] if demo.drop_tool else [])
     artifacts.write("run.json", {
@@ -94,8 +93,7 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
     final_answer: str | None = None
     for step in range(1, config.steps + 3):
         payload = {"model": config.model, "messages": convo.messages, "tools": tools,
-                   "max_tokens": config.max_tokens, "temperature": config.temperature, "stream": True,
-                   **config.extra_fields}
+                   "max_tokens": config.max_tokens, "temperature": config.temperature, "stream": True}
         sent, history = demo.policy.process(payload, history)
         artifacts.write_step(step, "payload_before", payload)
         artifacts.write_step(step, "payload_after", sent)
