@@ -15,6 +15,7 @@ from akv.system.context.compiler import append_generated
 
 from .brute import BruteLayout, Interner, SimulatedKV, Trace, brute_layout
 from .conversations import Conversation, conversations
+from .kernel_contract import assert_kernel_accepts
 
 
 @st.composite
@@ -99,6 +100,8 @@ def test_random_request_sequences_match_brute_force(scenario: tuple[list[Convers
             cut = min(match.n_tokens, program.n_tokens - 1)
             assert not (plan.computed[:cut] & match.resident[:cut]).any(), "recomputed resident KV"
             trace = kv.execute(plan, brute, pool)
+            for job in plan.copies:
+                assert_kernel_accepts(job, pool.size)
             assert trace.written == set(plan.fresh.tolist())
             assert trace.computed == set(np.flatnonzero(plan.computed).tolist())
             _check_usage(plan, trace, brute, program.n_prompt)
@@ -133,6 +136,8 @@ def test_cold_requests_over_many_events_recycle_slots_safely(conv: Conversation,
         plan = request.plan
         assert plan.fresh.size <= sum(s.n_queries for s in plan.segments) + sum(c.size for c in plan.copies)
         trace = kv.execute(plan, brute, pool)
+        for job in plan.copies:
+            assert_kernel_accepts(job, pool.size)
         _check_usage(plan, trace, brute, program.n_prompt)
         core.finish(request)
         core.tree.evict(evict)

@@ -4,13 +4,18 @@ For each read of token ``s`` at position ``p`` the plan reuses a version (``s``,
 already made, else borrows one resident in the tree, else copies another version of ``s`` into a
 fresh slot re-rotated to ``p`` (preferring the version stored at ``s``'s birth position, so keys are
 rotated once from where they were computed). Tokens with no version at all are recomputed; the
-recovery module decides which. Fresh slots are numbered virtually while planning and bound to real
-slots at the end, so an engine can size one allocation (and evict for it) before anything changes.
+recovery module decides which.
+
+Fresh slots are numbered virtually while planning. A copy that only earlier segments read is dead
+afterwards (positions only decrease), so its slot is recycled for a later segment's copies or
+births: a request needs the peak, not the sum, of its live private versions. Births and what
+generation reads live to the end and are published. The numbers are bound to real slots at the
+end, so an engine sizes one allocation (and evicts for it) before anything changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,9 +45,7 @@ class DraftPlan:
         fresh = np.asarray(fresh, dtype=np.int64)
         if fresh.shape != (self.n_fresh,):
             raise ValueError(f"fresh: expected {self.n_fresh} slots, got shape {fresh.shape}")
-        plan = _map_slots(self.plan, np.concatenate([fresh, [_EMPTY]]))
-        return RequestPlan(plan.match, plan.segments, plan.terminal, plan.borrowed, _frozen(fresh.copy()),
-                           plan.computed, plan.usage)
+        return replace(_map_slots(self.plan, fresh), fresh=_frozen(fresh.copy()))
 
 
 def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
@@ -76,7 +79,7 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
     plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), _frozen(np.zeros(0, np.int64)),
                        _frozen_mask(computed), usage)
     colors, n_colors = recycle_slots(table.created(), table.last_use())
-    return DraftPlan(n_colors, _map_slots(plan, -2 - np.concatenate([colors, [-1]])))
+    return DraftPlan(n_colors, _map_slots(plan, -2 - colors))
 
 
 def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray, int]:
@@ -109,9 +112,10 @@ def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray
 
 def _map_slots(plan: RequestPlan, table: np.ndarray) -> RequestPlan:
     """Rewrite virtual ids ``-2 - k`` to ``table[k]`` everywhere in ``plan``; real slots stay."""
+    padded = np.append(table, _EMPTY)  # a valid gather target for the non-virtual entries
 
     def real(a: np.ndarray) -> np.ndarray:
-        return _frozen(np.where(a <= -2, table[np.maximum(-a - 2, 0)], a))
+        return _frozen(np.where(a <= -2, padded[np.maximum(-a - 2, 0)], a))
 
     def job(c: CopyJob) -> CopyJob:
         return CopyJob(c.tokens, real(c.src), real(c.dst), c.old_positions, c.new_positions)
@@ -123,7 +127,7 @@ def _map_slots(plan: RequestPlan, table: np.ndarray) -> RequestPlan:
     )
     t = plan.terminal
     terminal = TerminalView(t.tokens, real(t.slots), t.positions, job(t.copies), t.next_position)
-    return RequestPlan(plan.match, segments, terminal, plan.borrowed, plan.fresh, plan.computed, plan.usage)
+    return replace(plan, segments=segments, terminal=terminal)
 
 
 class _VersionTable:

@@ -69,13 +69,14 @@ class Segment:
         return self.end - self.start
 
     def visible_slots(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per query, the exact slots it reads, as CSR ``(indptr, indices)``."""
-        n, p = self.n_queries, self.prefix_slots.shape[0]
-        lengths = p + np.arange(1, n + 1, dtype=np.int64)
+        """Per query, the exact slots it reads, as CSR ``(indptr, indices)``: row ``i`` is
+        ``prefix_slots`` then ``slots[: i + 1]``. Quadratic in size; engines with a prefix + causal
+        extend kernel pass ``prefix_slots`` and ``slots`` instead."""
+        source = np.concatenate([self.prefix_slots, self.slots]).astype(np.int64)
+        lengths = self.prefix_slots.shape[0] + np.arange(1, self.n_queries + 1, dtype=np.int64)
         indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        rows = [np.concatenate([self.prefix_slots, self.slots[: i + 1]]) for i in range(n)]
-        indices = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
-        return indptr, indices
+        offsets = np.arange(indptr[-1], dtype=np.int64) - np.repeat(indptr[:-1], lengths)
+        return indptr, source[offsets]
 
 
 @dataclass(frozen=True)
