@@ -1,5 +1,11 @@
 """Cache core: record keys, radix tree with KV versions, occurrence and recovery planning,
-drop-aware eviction and usage counters; engine-agnostic and CPU-testable with a simulated pool."""
+drop-aware eviction and usage counters; engine-agnostic and CPU-testable with a simulated pool.
+
+An engine drives :class:`CacheCore`: ``admit(program, namespace)`` returns an :class:`ActiveRequest`
+whose :class:`RequestPlan` lists the segments to run (copy jobs first, then the queries with their
+exact visible slots) and the terminal view generation reads; ``allocate(n)`` gives decode slots;
+``finish(request, generated_ids, generated_slots)`` publishes and releases; ``abort`` releases.
+"""
 
 from akv.system.cache.core import ActiveRequest, CacheCore, CacheFull, RequestStateError
 from akv.system.cache.keys import RecordKey, plain_key, program_key

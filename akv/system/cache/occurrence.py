@@ -169,7 +169,9 @@ class _VersionTable:
     def last_use(self) -> np.ndarray:
         return self._last_use[: self._n_fresh]
 
-    def resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int, *, pinned: bool = False) -> tuple[np.ndarray, CopyJob]:
+    def resolve(
+        self, tokens: np.ndarray, positions: np.ndarray, step: int, *, pinned: bool = False
+    ) -> tuple[np.ndarray, CopyJob]:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
         version exists (``pinned`` copies live to the end)."""
         valid = self.slots[tokens] != _EMPTY
