@@ -41,7 +41,7 @@ def _free_port() -> int:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("gpu-demo") / "tiny-qwen3", seed=5, vocab_size=4096,
                            hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=64)
+                           head_dim=64, dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
