@@ -33,6 +33,12 @@ class Conversation:
         rules = parse_rules(drop_message, reposition, turn + 1)
         return compile_program(np.array(ids, dtype=np.int64), np.array(owners, dtype=np.int64), rules, turn + 1)
 
+    def without_ops_from(self, anchor: int) -> Conversation:
+        """The same messages with only the ops anchored before ``anchor``: a branch that diverges from
+        this history at ``anchor`` and so may need KV this one dropped."""
+        drops = {a: ms for a, ms in self.drops.items() if a < anchor}
+        return Conversation(self.messages, drops, tuple(r for r in self.repositions if r < anchor))
+
     def reply(self, turn: int) -> np.ndarray:
         """What the model "generates" after ``turn``: the next message, so the next turn extends it."""
         nxt = self.messages[turn + 1] if turn + 1 < self.n_turns else (0,)

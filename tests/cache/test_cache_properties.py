@@ -121,20 +121,23 @@ def test_random_request_sequences_match_brute_force(scenario: tuple[list[Convers
 
 
 @settings(max_examples=150, deadline=None)
-@given(conversations(max_messages=10), st.integers(0, 30))
-def test_cold_requests_over_many_events_recycle_slots_safely(conv: Conversation, evict: int) -> None:
-    """A long history computed in one request (many stages, copies recycled within it), then again
-    after evicting part of what it published."""
+@given(conversations(max_messages=10), st.integers(0, 30), st.data())
+def test_cold_requests_then_branches_through_holes(conv: Conversation, evict: int, data: st.DataObject) -> None:
+    """A long history computed in one request (many stages, copies recycled within it), the same
+    request again after evicting part of what it published, then a branch that diverges before
+    some of its drops and must recover the dropped KV around resident gaps."""
     kv = SimulatedKV()
     pool = SlotPool(400, on_free=kv.forget)
     core = CacheCore(pool)
     intern = Interner()
-    program = conv.program(conv.n_turns - 1)
-    brute = brute_layout(program, intern)
-    for _ in range(2):
+    anchor = data.draw(st.integers(0, conv.n_turns - 1))
+    turn = data.draw(st.integers(anchor, conv.n_turns - 1))
+    last = conv.n_turns - 1
+    for program in (conv.program(last), conv.program(last), conv.without_ops_from(anchor).program(turn)):
         request = core.admit(program)
         plan = request.plan
         assert plan.fresh.size <= sum(s.n_queries for s in plan.segments) + sum(c.size for c in plan.copies)
+        brute = brute_layout(program, intern)
         trace = kv.execute(plan, brute, pool)
         for job in plan.copies:
             assert_kernel_accepts(job, pool.size)
