@@ -89,3 +89,22 @@ def test_handles_cannot_be_reused_and_shapes_are_checked() -> None:
     core.abort(request)
     with pytest.raises(RequestStateError, match=f"rid {request.rid} is not active"):
         core.finish(request)
+
+
+def test_chunked_segments_read_exactly_what_the_whole_segment_reads() -> None:
+    core = CacheCore(SlotPool(64))
+    program = Conversation(MESSAGES, {2: (1,)}, (2,)).program(4)
+    core.finish(core.admit(Conversation(MESSAGES, {}, ()).program(2)))
+    (segment,) = core.admit(program).plan.segments
+    indptr, indices = segment.visible_slots()
+    whole = [indices[indptr[i] : indptr[i + 1]].tolist() for i in range(segment.n_queries)]
+    chunks = segment.chunks(2)
+    assert [(c.start, c.end) for c in chunks] == [(6, 8), (8, 9)]
+    assert chunks[0].copies is segment.copies and chunks[1].copies.size == 0
+    rows = []
+    for chunk in chunks:
+        ptr, idx = chunk.visible_slots()
+        rows += [idx[ptr[i] : ptr[i + 1]].tolist() for i in range(chunk.n_queries)]
+    assert rows == whole
+    assert chunks[1].prefix_tokens.tolist() == [0, 1, 4, 5, 6, 7]
+    assert chunks[1].prefix_positions.tolist() == [0, 1, 2, 3, 4, 5]

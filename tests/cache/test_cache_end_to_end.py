@@ -24,11 +24,12 @@ def _messages(seed: int, n: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(rng.integers(0, 512, size=int(rng.integers(3, 7))).tolist()) for _ in range(n))
 
 
-def _run_turn(model: ReferenceModel, core: CacheCore, kv: PagedKV, conv: Conversation, turn: int) -> ActiveRequest:
+def _run_turn(model: ReferenceModel, core: CacheCore, kv: PagedKV, conv: Conversation, turn: int,
+              max_chunk: int | None = None) -> ActiveRequest:
     """Admit, execute, compare prefill and decode log-probs with the oracle, finish with the reply."""
     program = conv.program(turn)
     request = core.admit(program)
-    logits = run_prefill(model, program, request.plan, kv)
+    logits = run_prefill(model, program, request.plan, kv, max_chunk)
     expected = run_program(model, program).log_probs()
     computed = np.flatnonzero(request.plan.computed).tolist()
     assert sorted(logits) == computed and program.n_tokens - 1 in logits
@@ -59,7 +60,7 @@ def test_agent_turns_and_branches_match_the_oracle(tiny_qwen3: ReferenceModel) -
     assert plans[0].match.n_tokens == agent.program(3).n_tokens, "matched past a different drop"
 
     core.tree.evict(10)
-    plans = [_run_turn(tiny_qwen3, core, kv, branch, turn).plan for turn in (3, 4, 5)]
+    plans = [_run_turn(tiny_qwen3, core, kv, branch, turn, max_chunk=3).plan for turn in (3, 4, 5)]
     first = plans[0]
     recomputed = first.computed[: first.match.n_tokens - 1]
     assert first.match.n_tokens == branch.program(3).n_tokens and recomputed.any(), "no recovery happened"

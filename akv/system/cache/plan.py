@@ -68,6 +68,28 @@ class Segment:
     def n_queries(self) -> int:
         return self.end - self.start
 
+    def chunks(self, max_queries: int) -> tuple[Segment, ...]:
+        """The same work as forwards of at most ``max_queries`` queries (chunked prefill): each chunk
+        reads the earlier chunks' slots as prefix; the copies run before the first."""
+        if max_queries < 1:
+            raise ValueError(f"max_queries: {max_queries} is not a positive int")
+        out = []
+        for lo in range(0, self.n_queries, max_queries):
+            hi = min(lo + max_queries, self.n_queries)
+            done = np.arange(self.start, self.start + lo, dtype=np.int64)
+            out.append(Segment(
+                stage=self.stage,
+                start=self.start + lo,
+                end=self.start + hi,
+                positions=_frozen(self.positions[lo:hi]),
+                slots=_frozen(self.slots[lo:hi]),
+                prefix_tokens=_frozen(np.concatenate([self.prefix_tokens, done])),
+                prefix_slots=_frozen(np.concatenate([self.prefix_slots, self.slots[:lo]])),
+                prefix_positions=_frozen(np.concatenate([self.prefix_positions, self.positions[:lo]])),
+                copies=self.copies if lo == 0 else _no_copies(),
+            ))
+        return tuple(out)
+
     def visible_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """Per query, the exact slots it reads, as CSR ``(indptr, indices)``: row ``i`` is
         ``prefix_slots`` then ``slots[: i + 1]``. Quadratic in size; engines with a prefix + causal
@@ -129,3 +151,14 @@ class RequestPlan:
     @property
     def copies(self) -> tuple[CopyJob, ...]:
         return tuple(s.copies for s in self.segments) + (self.terminal.copies,)
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    arr.flags.writeable = False
+    return arr
+
+
+def _no_copies() -> CopyJob:
+    empty = _frozen(np.zeros(0, dtype=np.int64))
+    return CopyJob(empty, empty, empty, empty, empty)

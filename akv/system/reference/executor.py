@@ -42,10 +42,13 @@ def run_copies(model: ReferenceModel, kv: PagedKV, job: CopyJob) -> None:
         v[dst] = v[src]
 
 
-def run_prefill(model: ReferenceModel, program: ContextProgram, plan: RequestPlan, kv: PagedKV) -> dict[int, torch.Tensor]:
-    """Execute the plan's segments and terminal copies; return the logits of every computed query."""
+def run_prefill(model: ReferenceModel, program: ContextProgram, plan: RequestPlan, kv: PagedKV,
+                max_chunk: int | None = None) -> dict[int, torch.Tensor]:
+    """Execute the plan's segments (split into forwards of at most ``max_chunk`` queries, if given)
+    and terminal copies; return the logits of every computed query."""
     logits: dict[int, torch.Tensor] = {}
-    for segment in plan.segments:
+    forwards = [c for s in plan.segments for c in (s.chunks(max_chunk) if max_chunk else (s,))]
+    for segment in forwards:
         run_copies(model, kv, segment.copies)
         indptr, indices = segment.visible_slots()
         out = forward_paged(
