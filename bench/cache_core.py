@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
 
+    load = os.getloadavg()[0]
     rng = np.random.default_rng(args.seed)
     system = rng.integers(0, VOCAB, size=args.system_len)
     convs = [make_conversation(rng, system, args.messages, args.mean_len) for _ in range(args.conversations)]
@@ -149,7 +151,8 @@ def main() -> None:
     result = {
         "command": "python bench/cache_core.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "load_average_1m_at_start": round(load, 2)},
         "tree": {"conversations": len(convs), **tree_stats},
         "build_turn_by_turn": {"requests": len(convs) * (args.messages - 1), "prompt_tokens": build_tokens,
                                "seconds": round(build_seconds, 3),
