@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from akv.system.cache.core import CacheCore, CacheFull, RequestStateError
+from akv.system.cache.keys import program_key
 from akv.system.cache.pool import SlotPool
 
 from .conversations import Conversation
@@ -108,3 +109,25 @@ def test_chunked_segments_read_exactly_what_the_whole_segment_reads() -> None:
     assert rows == whole
     assert chunks[1].prefix_tokens.tolist() == [0, 1, 4, 5, 6, 7]
     assert chunks[1].prefix_positions.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+
+def test_eviction_takes_dropped_kv_first_and_the_next_turn_loses_nothing() -> None:
+    """After a turn that drops message 1, evicting two slots frees exactly its KV (not the older,
+    unrelated request's); the next turn still matches through the hole and computes only its own
+    new message."""
+    pool = SlotPool(64)
+    core = CacheCore(pool)
+    other = Conversation(((20, 21),), {}, ()).program(0)
+    core.finish(core.admit(other))
+    agent = Conversation(MESSAGES, {2: (1,)}, ())
+    first = core.admit(agent.program(2))
+    message_1 = first.plan.segments[0].slots[2:4]
+    core.finish(first)
+    assert core.tree.evict(2) == 2
+    assert (pool.refcount(message_1) == 0).all()
+    assert core.tree.match(program_key(other)).resident.all()
+    nxt = core.admit(agent.program(3))
+    assert nxt.plan.match.n_tokens == 6 and not nxt.plan.match.resident[2:4].any()
+    assert np.flatnonzero(nxt.plan.computed).tolist() == [6, 7]
+    assert nxt.plan.usage.as_dict() == {"cached_tokens": 4, "repos_tokens": 0, "drop_skipped_tokens": 2}
