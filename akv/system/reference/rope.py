@@ -13,7 +13,8 @@ def inv_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
 
 def cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Angles ``position * inv_freq`` as float32 cos/sin of shape ``[*positions.shape, rotary_dim // 2]``."""
-    angles = positions.to(torch.float64)[..., None] * inv_frequencies(rotary_dim, theta).to(torch.float64)
+    inv_freq = inv_frequencies(rotary_dim, theta).to(device=positions.device, dtype=torch.float64)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
     return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)
 
 
