@@ -1,8 +1,9 @@
 """Load SGLang 0.5.16's Triton decode/extend attention kernels for tests.
 
 With SGLang importable (the H200 site) the real modules are used. Otherwise the four kernel source
-files are loaded straight from a wheel (``AKV_SGLANG_WHEEL``) or an unpacked package directory
-(``AKV_SGLANG_DIR``), with the two ``sglang.srt.utils`` platform probes they import stubbed."""
+files are loaded straight from an unpacked package directory (``AKV_SGLANG_DIR``), a wheel
+(``AKV_SGLANG_WHEEL``), or else the pinned wheel the build step fetches and caches, with the two
+``sglang.srt.utils`` platform probes they import stubbed."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from akv.system._build import BuildError, default_cache_dir, fetch_stock_wheel, python_tag
 
 _PACKAGE = "sglang.kernels.ops.attention"
 _FILES = ("score_mod", "prefill_attention", "decode_attention", "extend_attention")
@@ -44,7 +47,10 @@ def _source_dir() -> Path | None:
         return Path(os.environ["AKV_SGLANG_DIR"]) / "kernels" / "ops" / "attention"
     wheel = os.environ.get("AKV_SGLANG_WHEEL")
     if not wheel:
-        return None
+        try:
+            wheel = str(fetch_stock_wheel(python_tag(), default_cache_dir()))
+        except BuildError:
+            return None
     target = Path(tempfile.mkdtemp(prefix="akv-sglang-"))
     with zipfile.ZipFile(wheel) as archive:
         for name in _FILES:
