@@ -27,6 +27,7 @@ from akv.agent.receipts import ModelRequest
 from akv.agent.reposition import ModelReposition, TokenReposition, TurnReposition
 from akv.agent.results import GenerationResult, Timings, ToolCall, Usage
 from akv.agent.selectors import ModelSelection, TokenSelection, TurnSelection
+from akv.agent.templating import TemplateInputError, TemplateInputs, sglang_template_inputs
 from akv.agent.tool import DropContextTool
 from akv.agent.transport import send_chat_request
 from akv.agent.triggers import ModelTrigger, TokenTrigger, TurnTrigger
@@ -35,8 +36,8 @@ __all__ = [
     "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
     "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
     "HistoryError", "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest",
-    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RuleError", "StreamError", "Timings",
-    "TokenCountError", "TokenCounter", "TokenLayout", "TokenReposition", "TokenSelection", "TokenTrigger",
-    "ToolCall", "TransportError", "TurnReposition", "TurnSelection", "TurnTrigger", "Usage", "extra_body",
-    "send_chat_request",
+    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RuleError", "StreamError",
+    "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
+    "TokenReposition", "TokenSelection", "TokenTrigger", "ToolCall", "TransportError", "TurnReposition",
+    "TurnSelection", "TurnTrigger", "Usage", "extra_body", "send_chat_request", "sglang_template_inputs",
 ]

@@ -8,7 +8,6 @@ generation prompt belongs to the reply. A token belongs to the owner of its firs
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -17,6 +16,7 @@ from typing import Any
 
 from akv.agent.counting import TokenLayout
 from akv.agent.errors import ConfigError, TokenCountError
+from akv.agent.templating import sglang_template_inputs, template_content_format
 
 _API_STYLES = ("sglang", "openai")
 _NO_INSTRUMENT = ("Macro", "CallBlock", "FilterBlock", "AssignBlock")
@@ -33,42 +33,14 @@ class RenderedPrompt:
     layout: TokenLayout
 
 
-def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as SGLang hands them to the template: None-valued keys removed (content None -> ""),
-    tool-message text parts joined into one string, tool-call arguments JSON-decoded."""
-    out = []
-    for message in messages:
-        m = {k: v for k, v in message.items() if v is not None}
-        if m.get("content") is None:
-            m["content"] = ""
-        if m.get("role") == "tool" and isinstance(m["content"], list):
-            m["content"] = " ".join(p["text"] for p in m["content"]
-                                    if isinstance(p, Mapping) and isinstance(p.get("text"), str))
-        if isinstance(m.get("tool_calls"), list):
-            m["tool_calls"] = [_decode_arguments(call) for call in m["tool_calls"]]
-        out.append(m)
-    return out
-
-
-def _decode_arguments(call: Any) -> Any:
-    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
-        return call
-    arguments = call["function"].get("arguments")
-    if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            return call
-        return {**call, "function": {**call["function"], "arguments": decoded}}
-    return call
-
-
 class ChatTemplateTokenCounter:
     """Counts tokens by rendering the chat template with the tokenizer, as the server does.
 
     `tokenizer` is a transformers fast tokenizer with a chat template (or pass `chat_template`).
-    Messages are prepared as SGLang prepares them (`prepare_messages`); `api_style` only says where
-    the AKV fields travel, so it does not change the count."""
+    Messages and tools are rendered as SGLang 0.5.16 hands them to the template
+    (`akv.agent.templating.sglang_template_inputs`, with this template's content format). Both
+    api_styles count the same: `api_style` only says where the AKV fields travel (top level, or
+    under `extra_body` for the OpenAI SDK), and the server behind either is SGLang."""
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
         try:
@@ -90,6 +62,7 @@ class ChatTemplateTokenCounter:
                               "(transformers.utils.chat_template_utils._compile_jinja_template), which this "
                               "transformers version does not have")
         environment = compile_template(template).environment
+        self.content_format = template_content_format(template, environment.parse(template))
         self._instrumented = environment.from_string(_instrument(environment.parse(template)))
         self._nonce = secrets.token_hex(8)
         self._marker = re.compile("\x00" + self._nonce + r":(-|/|\d+)\x00")
@@ -111,13 +84,15 @@ class ChatTemplateTokenCounter:
     def render(self, messages: Sequence[Mapping[str, object]], *,
                tools: Sequence[Mapping[str, object]] | None = None,
                chat_template_kwargs: Mapping[str, object] | None = None,
-               api_style: str = "sglang") -> RenderedPrompt:
-        """Render with the generation prompt, tokenize, and attribute every token."""
+               api_style: str = "sglang", tool_choice: object = None) -> RenderedPrompt:
+        """Render with the generation prompt, tokenize, and attribute every token. `messages`,
+        `tools` and `tool_choice` are the payload's fields, as sent."""
         if api_style not in _API_STYLES:
             raise ConfigError(f"api_style must be one of {list(_API_STYLES)}, got {api_style!r}")
-        prepared = prepare_messages(messages)
+        inputs = sglang_template_inputs(messages, tools, tool_choice=tool_choice, content_format=self.content_format)
+        prepared = list(inputs.messages)
         kwargs = dict(chat_template_kwargs or {})
-        tools_list = list(tools) if tools else None
+        tools_list = list(inputs.tools) if inputs.tools else None
         text = self.tokenizer.apply_chat_template(prepared, tools=tools_list, tokenize=False,
                                                   add_generation_prompt=True, **kwargs)
         without = self.tokenizer.apply_chat_template(prepared, tools=tools_list, tokenize=False,

@@ -3,7 +3,6 @@ server-side provenance, and use inside token rules."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -14,7 +13,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
 
 from akv.agent import CachePolicy, ConfigError, TokenSelection, TokenTrigger  # noqa: E402
-from akv.agent.tokens import ChatTemplateTokenCounter, prepare_messages  # noqa: E402
+from akv.agent.templating import sglang_template_inputs, template_messages  # noqa: E402
+from akv.agent.tokens import ChatTemplateTokenCounter  # noqa: E402
 
 from .chatml import build_tokenizer  # noqa: E402
 from .conversations import TOOLS, call, random_conversation, result  # noqa: E402
@@ -62,7 +62,12 @@ def test_chatml_ownership_follows_the_message_each_piece_frames(chatml):
     messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "go"},
                 call(["A", "B"]), result("A", "A is 1"), result("B", "B is 2"), call("C"), result("C", "C")]
     rendered = counter.render(messages, tools=TOOLS[:1])
-    tool_json = json.dumps(TOOLS[0], ensure_ascii=False)
+    # SGLang renders each tool's pydantic model_dump(): description first, strict and defer_loading added
+    served_tool = {"type": "function", "function": {"description": "read_record tool", "name": "read_record",
+                                                    "parameters": {"type": "object", "properties": {}},
+                                                    "strict": False}, "defer_loading": None}
+    tool_json = ('{"type": "function", "function": {"description": "read_record tool", "name": "read_record", '
+                 '"parameters": {"type": "object", "properties": {}}, "strict": false}, "defer_loading": null}')
     expected = [
         f"<|im_start|>system\nYou are helpful.\n\n# Tools\n<tools>\n{tool_json}\n</tools><|im_end|>\n",
         "<|im_start|>user\ngo<|im_end|>\n",
@@ -77,7 +82,7 @@ def test_chatml_ownership_follows_the_message_each_piece_frames(chatml):
     ]
     assert [owned_text(tokenizer, rendered, i) for i in range(len(messages) + 1)] == expected
     assert rendered.text == "".join(expected)
-    assert rendered.text == tokenizer.apply_chat_template(prepare_messages(messages), tools=TOOLS[:1],
+    assert rendered.text == tokenizer.apply_chat_template(template_messages(messages), tools=[served_tool],
                                                           tokenize=False, add_generation_prompt=True)
     assert list(rendered.token_ids) == tokenizer.encode(rendered.text, add_special_tokens=False)
     spans = rendered.layout.spans
@@ -98,19 +103,6 @@ def test_system_message_without_tools_and_a_leading_user_message(chatml):
     # no system message: the tools block precedes message 0's own output and belongs to it
     assert owned_text(tokenizer, rendered, 0).startswith("<|im_start|>system\n# Tools")
     assert owned_text(tokenizer, rendered, 0).endswith("<|im_start|>user\ngo<|im_end|>\n")
-
-
-def test_prepare_messages_matches_what_sglang_hands_the_template():
-    messages = [{"role": "assistant", "content": None, "reasoning_content": None,
-                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
-                {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "x"},
-                                                                  {"type": "text", "text": "y"}]}]
-    prepared = prepare_messages(messages)
-    assert prepared[0] == {"role": "assistant", "content": "",
-                           "tool_calls": [{"id": "c", "type": "function",
-                                           "function": {"name": "f", "arguments": {"a": 1}}}]}
-    assert prepared[1]["content"] == "x y"
-    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
 
 
 def test_token_rules_with_the_template_counter(chatml):
@@ -144,7 +136,9 @@ def test_agrees_with_server_provenance(chatml, seed, turns, system, with_tools):
     tools = TOOLS if with_tools else None
     rendered = counter.render(messages, tools=tools)
     template = provenance.ChatTemplate(tokenizer.chat_template)
-    owned = template.render_owned(prepare_messages(messages), tools=tools, add_generation_prompt=True,
+    inputs = sglang_template_inputs(messages, tools)  # what the reference server renders
+    owned = template.render_owned(list(inputs.messages), tools=inputs.tools and list(inputs.tools),
+                                  add_generation_prompt=True,
                                   **tokenizer.special_tokens_map)
     server = provenance.token_provenance(owned, tokenizer)
     assert list(server.token_ids) == list(rendered.token_ids)

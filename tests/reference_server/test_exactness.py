@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from akv.agent import send_chat_request
-from akv.agent.tokens import prepare_messages
+from akv.agent.templating import template_messages
 from akv.system.context.compiler import append_generated, compile_program
 from akv.system.context.provenance import ChatTemplate, token_provenance
 from akv.system.context.rules import parse_rules
@@ -71,7 +71,7 @@ def body(n_messages: int, **fields: Any) -> dict[str, Any]:
 
 def provenance(served: Any, n_messages: int) -> Any:
     files = load_model_dir(served.model_dir)
-    messages = prepare_messages(CONVERSATION[:n_messages])  # SGLang's normalisation, as the client models it
+    messages = template_messages(CONVERSATION[:n_messages])  # SGLang's normalisation
     owned = ChatTemplate(files.chat_template).render_owned(messages, tools=TOOLS_AS_RENDERED,
                                                           add_generation_prompt=True)
     return token_provenance(owned, files.tokenizer)

@@ -28,13 +28,19 @@ def test_messages_are_normalised_like_sglang() -> None:
                                                            {"type": "text", "text": "part two"}]},
     ]
     request = parse_chat_request({"model": "m", "messages": messages}, "m")
+    # string content format: text parts join with a space for every role; the tool call keeps its
+    # model_dump() shape (nested None "index" is not stripped)
     assert request.messages == (
-        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Be  brief."},
         {"role": "user", "content": "go"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "read_record", "arguments": {"record_id": "A"}}}]},
+            {"id": "c1", "index": None, "type": "function",
+             "function": {"name": "read_record", "arguments": {"record_id": "A"}}}]},
         {"role": "tool", "content": "part one part two", "tool_call_id": "c1"},
     )
+    kept = parse_chat_request({"model": "m", "messages": messages}, "m", content_format="openai").messages
+    assert kept[0] == {"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]}
+    assert kept[3] == {"role": "tool", "tool_call_id": "c1", "content": "part one part two"}
 
 
 def test_tools_are_rendered_as_sglang_dumps_them() -> None:
@@ -62,6 +68,11 @@ def test_usage_chunk_policy() -> None:
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
     ({"tools": {"name": "f"}}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"function": {"name": "f", "arguments": "{oops"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
     ({"stop": ["a", ""]}, "stop"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"seed": 1.5}, "seed"),

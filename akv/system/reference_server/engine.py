@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 import numpy as np
 import torch
 
+from akv.agent.templating import template_content_format
 from akv.system.cache import CacheCore, SlotPool
 from akv.system.context.compiler import ProgramError, compile_program
 from akv.system.context.program import ContextProgram
@@ -62,6 +64,7 @@ class Engine:
         self.model_name = name or self.files.path.name
         self.max_context = self.files.max_context
         self.template = ChatTemplate(self.files.chat_template)
+        self.content_format = _content_format(self.files.chat_template)
         self.kv = PagedKV.empty(self.model, kv_slots + 1)
         self.pool = SlotPool(kv_slots)
         self.cache = CacheCore(self.pool)
@@ -149,3 +152,12 @@ class Engine:
 
     def _choice(self, token_id: int, logprob: float) -> TokenChoice:
         return TokenChoice(token_id, self.files.tokenizer.decode([token_id], skip_special_tokens=False), logprob)
+
+
+def _content_format(chat_template: str) -> str:
+    """The template's content format, as SGLang detects it (an unparsable template counts as "string")."""
+    try:
+        parsed = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        parsed = None
+    return template_content_format(chat_template, parsed)

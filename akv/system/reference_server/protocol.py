@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from akv.agent.templating import TemplateInputError, template_messages, template_tools
 from akv.system.context.rules import ContextRules, RuleError, is_plain_request, parse_rules
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -56,9 +57,9 @@ class Sampling:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    """A validated request. ``messages`` are normalised the way SGLang hands them to the chat template
-    (text parts joined, ``content: null`` as ``""``, tool-call arguments JSON-decoded); ``tools`` are the
-    tools to render (none for ``tool_choice: "none"``)."""
+    """A validated request. ``messages`` and ``tools`` are exactly what SGLang 0.5.16 hands the chat
+    template (:func:`akv.agent.templating.template_messages` / ``template_tools``; no tools for
+    ``tool_choice: "none"``)."""
 
     model: str
     messages: tuple[dict[str, Any], ...]
@@ -74,8 +75,9 @@ class ChatRequest:
     template_kwargs: dict[str, Any]
 
 
-def parse_chat_request(body: Any, served_model: str) -> ChatRequest:
-    """Validate a decoded JSON body against the model this server serves."""
+def parse_chat_request(body: Any, served_model: str, content_format: str = "string") -> ChatRequest:
+    """Validate a decoded JSON body against the model this server serves; ``content_format`` is its
+    chat template's (see :func:`akv.agent.templating.template_content_format`)."""
     if not isinstance(body, Mapping):
         raise RequestError("body", _short(body), f"expected a JSON object, got {type(body).__name__}")
     for key in body:
@@ -90,11 +92,11 @@ def parse_chat_request(body: Any, served_model: str) -> ChatRequest:
     model = body.get("model")
     if model != served_model:
         raise RequestError("model", model, f"this server serves {served_model!r}")
-    messages = _messages(body.get("messages"))
-    tools = _tools(body.get("tools"))
+    messages = _messages(body.get("messages"), content_format)
     tool_choice = body.get("tool_choice", "auto")
     if tool_choice not in ("auto", "none"):
         raise RequestError("tool_choice", _short(tool_choice), "only 'auto' and 'none' are supported")
+    tools = _tools(body.get("tools"), tool_choice)
 
     drop_message, reposition = body.get("drop_message"), body.get("reposition")
     try:
@@ -130,23 +132,22 @@ def parse_chat_request(body: Any, served_model: str) -> ChatRequest:
     return ChatRequest(
         model=model,
         messages=messages,
-        tools=tools if tool_choice == "auto" else (),
+        tools=tools,
         rules=rules,
         is_context=is_context,
         sampling=_sampling(body),
         stream=stream,
         include_usage=include_usage or (stream and is_context),
-        parse_tool_calls=bool(tools) and tool_choice == "auto",
+        parse_tool_calls=bool(tools),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         template_kwargs=dict(kwargs),
     )
 
 
-def _messages(value: Any) -> tuple[dict[str, Any], ...]:
+def _messages(value: Any, content_format: str) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise RequestError("messages", _short(value), "expected a non-empty list of messages")
-    out = []
     for i, raw in enumerate(value):
         field = f"messages[{i}]"
         if not isinstance(raw, Mapping):
@@ -154,109 +155,24 @@ def _messages(value: Any) -> tuple[dict[str, Any], ...]:
         role = raw.get("role")
         if role not in ROLES:
             raise RequestError(f"{field}.role", role, f"role must be one of {list(ROLES)}")
-        message: dict[str, Any] = {"role": role, "content": _content(raw.get("content"), f"{field}.content", role)}
-        if role == "assistant":
-            if raw.get("tool_calls"):
-                message["tool_calls"] = _tool_calls(raw["tool_calls"], f"{field}.tool_calls")
-            elif message["content"] is None:
-                raise RequestError(f"{field}.content", None, "assistant message needs content or tool_calls")
-            reasoning = raw.get("reasoning_content")
-            if reasoning is not None:
-                message["reasoning_content"] = _string(reasoning, f"{field}.reasoning_content")
-        elif message["content"] is None:
-            raise RequestError(f"{field}.content", None, f"{role} message needs content")
-        for key in ("name", "tool_call_id"):
-            if raw.get(key) is not None:
-                message[key] = _string(raw[key], f"{field}.{key}")
-        if message["content"] is None:
-            message["content"] = ""  # as SGLang hands it to the template
-        out.append(message)
-    return tuple(out)
+        if raw.get("content") is None and not (role == "assistant" and raw.get("tool_calls")):
+            needs = "content or tool_calls" if role == "assistant" else "content"
+            raise RequestError(f"{field}.content", None, f"{role} message needs {needs}")
+    try:
+        return tuple(template_messages(value, content_format=content_format))
+    except TemplateInputError as exc:
+        raise RequestError(exc.field, _short(exc.value), exc.problem) from exc
 
 
-def _content(value: Any, field: str, role: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
+def _tools(value: Any, tool_choice: Any) -> tuple[dict[str, Any], ...]:
     if isinstance(value, list):
-        parts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{field}[{j}]", _short(part),
-                                   "only {'type': 'text', 'text': str} parts are supported")
-            parts.append(part["text"])
-        # Tool results join with a space (as SGLang does); other roles concatenate.
-        return (" " if role == "tool" else "").join(parts)
-    raise RequestError(field, _short(value),
-                       f"expected a string, a list of text parts or null, got {type(value).__name__}")
-
-
-def _tool_calls(value: Any, field: str) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise RequestError(field, _short(value), "expected a list")
-    calls = []
-    for j, call in enumerate(value):
-        item = f"{field}[{j}]"
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping):
-            raise RequestError(f"{item}.function", _short(function), "expected an object with name and arguments")
-        name = _string(function.get("name"), f"{item}.function.name")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)  # templates receive decoded arguments, as in SGLang
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"{item}.function.arguments", _short(arguments),
-                                   f"not valid JSON ({exc.msg})") from exc
-        elif not isinstance(arguments, Mapping):
-            raise RequestError(f"{item}.function.arguments", _short(arguments), "expected a JSON string or an object")
-        else:
-            arguments = dict(arguments)
-        calls.append({
-            "id": _string(call.get("id", f"call_{j}"), f"{item}.id"),
-            "type": "function",
-            "function": {"name": name, "arguments": arguments},
-        })
-    return calls
-
-
-def _tools(value: Any) -> tuple[dict[str, Any], ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise RequestError("tools", _short(value), "expected a list of tools")
-    out = []
-    for i, tool in enumerate(value):
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
-            raise RequestError(f"tools[{i}]", _short(tool), "expected {'type': 'function', 'function': {...}}")
-        out.append(_tool_as_sglang_dumps_it(function, tool.get("defer_loading"), f"tools[{i}]"))
-    return tuple(out)
-
-
-def _tool_as_sglang_dumps_it(function: Mapping[str, Any], defer_loading: Any, field: str) -> dict[str, Any]:
-    """The dict SGLang 0.5.16 renders for a tool: its pydantic ``Tool.model_dump()`` (unknown keys
-    dropped, ``description``/``parameters`` defaulted to None, ``strict`` to False)."""
-    description = function.get("description")
-    if description is not None:
-        _string(description, f"{field}.function.description")
-    strict = function.get("strict", False)
-    if not isinstance(strict, bool):
-        raise RequestError(f"{field}.function.strict", strict, "expected true or false")
-    dumped: dict[str, Any] = {
-        "description": description,
-        "name": _string(function.get("name"), f"{field}.function.name"),
-        "parameters": json.loads(json.dumps(function.get("parameters"))),
-        "strict": strict,
-    }
-    function_defer = function.get("defer_loading")
-    if function_defer is None:
-        function_defer = defer_loading
-    for key, value in (("defer_loading", defer_loading), ("function.defer_loading", function_defer)):
-        if value is not None and not isinstance(value, bool):
-            raise RequestError(f"{field}.{key}", value, "expected true, false or null")
-    if function_defer is not None:
-        dumped["defer_loading"] = function_defer
-    return {"type": "function", "function": dumped, "defer_loading": defer_loading}
+        for i, tool in enumerate(value):
+            if isinstance(tool, Mapping) and tool.get("type", "function") != "function":
+                raise RequestError(f"tools[{i}].type", _short(tool.get("type")), "only 'function' tools are supported")
+    try:
+        return template_tools(value, tool_choice) or ()
+    except TemplateInputError as exc:
+        raise RequestError(exc.field, _short(exc.value), exc.problem) from exc
 
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
@@ -304,12 +220,6 @@ def _bool(body: Mapping[str, Any], key: str, default: bool, *, prefix: str = "")
         return default
     if not isinstance(value, bool):
         raise RequestError(prefix + key, value, "expected true or false")
-    return value
-
-
-def _string(value: Any, field: str) -> str:
-    if not isinstance(value, str):
-        raise RequestError(field, _short(value), f"expected a string, got {type(value).__name__}")
     return value
 
 

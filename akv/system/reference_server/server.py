@@ -78,7 +78,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HTTPStatus.NOT_FOUND, f"no route for POST {path}", param=None)
             return
         try:
-            request = parse_chat_request(self._read_json(), self.server.engine.model_name)
+            request = parse_chat_request(self._read_json(), self.server.engine.model_name,
+                                         self.server.engine.content_format)
             with self.server.engine_lock:
                 try:
                     prepared = self.server.engine.prepare(request)
