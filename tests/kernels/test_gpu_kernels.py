@@ -2,7 +2,9 @@
 bf16), and FlashInfer's paged wrappers reading the visible index lists.
 
 bf16 round-off: the kernel may fuse multiply-adds that the PyTorch reference rounds separately, so
-bf16 keys are compared within one bf16 ulp of the reference."""
+bf16 keys are compared within one bf16 ulp of the reference plus 1e-5: both sides compute in FP32 from
+the same inputs (absolute error ~1e-6 for unit-scale keys), and for results near zero that error is
+larger than their own bf16 ulp."""
 
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 36, 8, 32, 128
 QWEN3 = RopeSpec(theta=1_000_000.0, head_dim=HEAD_DIM, rotary_dim=HEAD_DIM)
 
 
-def within_bf16_ulp(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+def within_bf16_ulp(actual: torch.Tensor, expected: torch.Tensor, fp32_slack: float = 1e-5) -> bool:
     exp = expected.float()
     ulp = torch.ldexp(torch.ones_like(exp), torch.frexp(exp).exponent - 8)
-    return bool(((actual.float() - exp).abs() <= ulp).all())
+    return bool(((actual.float() - exp).abs() <= ulp + fp32_slack).all())
 
 
 @pytest.mark.parametrize("n_copies", [1024, 32768])
