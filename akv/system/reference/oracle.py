@@ -88,10 +88,6 @@ class OracleResult:
         """``[n, vocab]`` log-softmax of the logits."""
         return torch.log_softmax(self.logits.to(torch.float32), dim=-1)
 
-    def next_token_logprobs(self) -> torch.Tensor:
-        """``[n - 1]``: log-probability that token ``t`` predicts token ``t + 1``."""
-        return self.log_probs()[:-1].gather(1, self.token_ids[1:, None]).squeeze(1)
-
     def keys_at(self, model: ReferenceModel, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Keys of every token of ``layer`` rotated to ``positions[n]`` (as a cache would store them)."""
         return model.rotate(self.raw_k[layer], positions)
