@@ -118,19 +118,18 @@ def _parse_drops(drop_message: Any, n_messages: int) -> tuple[Drop, ...]:
         raise RuleSizeError(
             "drop_message", len(drop_message), f"{len(drop_message)} anchors for {n_messages} messages"
         )
-    by_anchor: dict[int, tuple[str, Any]] = {}
-    first_key: dict[int, Any] = {}
+    by_anchor: dict[int, tuple[Any, Any]] = {}
     for key, value in drop_message.items():
         field = f"drop_message[{key!r}]"
         anchor = _parse_key(key, field, n_messages)
         if anchor in by_anchor:
-            raise RuleOrderError(field, key, f"anchor {anchor} repeats key {first_key[anchor]!r}")
-        by_anchor[anchor] = (field, value)
-        first_key[anchor] = key
+            raise RuleOrderError(field, key, f"anchor {anchor} repeats key {by_anchor[anchor][0]!r}")
+        by_anchor[anchor] = (key, value)
     dropped_by: dict[int, int] = {}
     drops = []
     for anchor in sorted(by_anchor):
-        field, value = by_anchor[anchor]
+        key, value = by_anchor[anchor]
+        field = f"drop_message[{key!r}]"
         messages = _parse_id_list(value, field, n_messages, max_len=anchor + 1)
         for i, message in enumerate(messages):
             if message > anchor:
