@@ -6,7 +6,7 @@ Steps: fetch ``sglang==0.5.16`` for one CPython tag (cached, sha256-checked), un
 wheel. A build whose inputs match an existing output is skipped.
 
 Usage: ``python -m akv.system._build --out DIR [--python-tag cp311|cp312] [--overlay DIR]
-[--overlay-out DIR] [--install]``.
+[--overlay-out DIR] [--cache DIR] [--install]``.
 """
 
 from __future__ import annotations
@@ -246,6 +246,11 @@ def python_tag(version_info: tuple[int, int] | None = None) -> str:
     return tag
 
 
+def _check_tag(tag: str) -> None:
+    if tag not in PINNED_SHA256:
+        raise BuildError(f"--python-tag: unsupported tag {tag!r}; choose one of {sorted(PINNED_SHA256)}")
+
+
 def stock_wheel_name(tag: str) -> str:
     return f"sglang-{SGLANG_VERSION}-{tag}-{tag}-{PLATFORM}.whl"
 
@@ -271,8 +276,7 @@ def sha256_file(path: Path) -> str:
 
 def fetch_stock_wheel(tag: str, cache_dir: Path) -> Path:
     """Return the cached pinned wheel for ``tag``, downloading it with pip when absent."""
-    if tag not in PINNED_SHA256:
-        raise BuildError(f"--python-tag: unsupported tag {tag!r}; choose one of {sorted(PINNED_SHA256)}")
+    _check_tag(tag)
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / stock_wheel_name(tag)
     if not path.exists():
@@ -404,8 +408,7 @@ def build(
     cache_dir: Path | None = None,
 ) -> BuildResult:
     """Build ``sglang-0.5.16+akv`` for ``tag`` into ``out_dir`` (skipped when already up to date)."""
-    if tag not in PINNED_SHA256:
-        raise BuildError(f"--python-tag: unsupported tag {tag!r}; choose one of {sorted(PINNED_SHA256)}")
+    _check_tag(tag)
     patch_text = patch_file.read_text(encoding="utf-8")
     inputs = build_inputs(tag, patch_text, overlay)
     out_dir.mkdir(parents=True, exist_ok=True)
