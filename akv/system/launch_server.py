@@ -14,16 +14,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from akv.system.adapter.serving import REQUIRED_ATTENTION_BACKEND, REQUIRED_PAGE_SIZE
+
 PATCHED_SUFFIX = "+akv"
 BUILD_COMMAND = "python -m akv.system._build --out dist --install"
 
-AKV_DEFAULTS: dict[str, str] = {"--page-size": "1", "--attention-backend": "triton"}
+AKV_DEFAULTS: dict[str, str] = {
+    "--page-size": str(REQUIRED_PAGE_SIZE),
+    "--attention-backend": REQUIRED_ATTENTION_BACKEND,
+}
 """Flags added when absent, with the only value AKV accepts."""
 
 REQUIRED: dict[str, str] = {
     **AKV_DEFAULTS,
-    "--prefill-attention-backend": "triton",
-    "--decode-attention-backend": "triton",
+    "--prefill-attention-backend": REQUIRED_ATTENTION_BACKEND,
+    "--decode-attention-backend": REQUIRED_ATTENTION_BACKEND,
 }
 """Flags that may be given but only with this value."""
 
