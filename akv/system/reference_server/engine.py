@@ -86,11 +86,12 @@ class Engine:
         if room < 1:
             raise RequestError("messages", program.n_prompt, f"the prompt needs position {program.next_position}, "
                                f"beyond this model's maximum context length of {self.max_context} tokens")
-        needed = program.n_tokens + min(room, request.sampling.max_tokens)
+        max_new_tokens = min(room, request.sampling.max_tokens)
+        needed = program.n_tokens + max_new_tokens
         if needed > self.pool.size:
             raise RequestError("messages", program.n_prompt, f"the request needs {needed} KV slots, more than the "
                                f"{self.pool.size} this server holds (maximum context length)")
-        return Prepared(program, min(room, request.sampling.max_tokens))
+        return Prepared(program, max_new_tokens)
 
     def generate(self, prepared: Prepared, request: ChatRequest, on_token: OnToken | None) -> Generation:
         """Run the prompt through the cache plan, then decode; publishes all new KV to the tree."""

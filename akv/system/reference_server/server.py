@@ -13,7 +13,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from akv.system.reference_server.engine import Engine, Generation
+from akv.system.reference_server.engine import Engine, Generation, Prepared
 from akv.system.reference_server.protocol import ChatRequest, RequestError, parse_chat_request
 from akv.system.reference_server.responses import (
     ResponseIds,
@@ -110,7 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError("body", raw[:100].decode("utf-8", "replace"), f"not valid JSON ({exc})") from exc
 
-    def _complete(self, request: ChatRequest, prepared: Any) -> None:
+    def _complete(self, request: ChatRequest, prepared: Prepared) -> None:
         try:
             generation = self.server.engine.generate(prepared, request, on_token=None)
         except Exception as exc:  # the engine failed: report it, keep serving
@@ -123,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
                               usage_body(generation.usage, len(generation.steps)), logprobs)
         self._json(HTTPStatus.OK, body)
 
-    def _stream(self, request: ChatRequest, prepared: Any) -> None:
+    def _stream(self, request: ChatRequest, prepared: Prepared) -> None:
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")

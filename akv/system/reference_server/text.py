@@ -22,7 +22,7 @@ class TextTracker:
     def update(self, ids: Sequence[int]) -> str:
         """The text safe to show now; sets ``stopped`` when a stop string appeared (text cut before it)."""
         text = self.decode(ids)
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        cut = self._first_stop(text)
         if cut >= 0:
             self.stopped = True
             return text[:cut]
@@ -32,8 +32,12 @@ class TextTracker:
     def final(self, ids: Sequence[int]) -> str:
         """The finished reply text (cut at the first stop string, if any)."""
         text = self.decode(ids)
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        cut = self._first_stop(text)
         return text[:cut] if cut >= 0 else text
+
+    def _first_stop(self, text: str) -> int:
+        """Where the earliest stop string starts in ``text``, -1 when none occurs."""
+        return min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
 
     def _partial_stop(self, text: str) -> int:
         longest = 0
