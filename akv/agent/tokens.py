@@ -16,9 +16,9 @@ from typing import Any
 
 from akv.agent.counting import TokenLayout
 from akv.agent.errors import ConfigError, TokenCountError
+from akv.agent.payload import API_STYLES
 from akv.agent.templating import sglang_template_inputs, template_content_format
 
-_API_STYLES = ("sglang", "openai")
 _NO_INSTRUMENT = ("Macro", "CallBlock", "FilterBlock", "AssignBlock")
 
 
@@ -87,8 +87,8 @@ class ChatTemplateTokenCounter:
                api_style: str = "sglang", tool_choice: object = None) -> RenderedPrompt:
         """Render with the generation prompt, tokenize, and attribute every token. `messages`,
         `tools` and `tool_choice` are the payload's fields, as sent."""
-        if api_style not in _API_STYLES:
-            raise ConfigError(f"api_style must be one of {list(_API_STYLES)}, got {api_style!r}")
+        if api_style not in API_STYLES:
+            raise ConfigError(f"api_style must be one of {list(API_STYLES)}, got {api_style!r}")
         inputs = sglang_template_inputs(messages, tools, tool_choice=tool_choice, content_format=self.content_format)
         prepared = list(inputs.messages)
         kwargs = dict(chat_template_kwargs or {})

@@ -37,7 +37,7 @@ class CallTrace:
         self._started = time.monotonic()
         self._write("request.json", body)
         self._call = {"url": url, "headers": redact_headers(headers), "timeout_s": timeout,
-                                      "request_bytes": len(body), "started_unix": time.time()}
+                      "request_bytes": len(body), "started_unix": time.time()}
 
     def chunk(self, data: bytes) -> None:
         self._raw.extend(data)
