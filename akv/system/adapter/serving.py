@@ -8,10 +8,9 @@ import logging
 from typing import Any
 
 from akv.system.adapter.protocol import request_rules
-from akv.system.context.compiler import compile_program
 from akv.system.context.program import ContextProgram
-from akv.system.context.provenance import prompt_provenance
-from akv.system.context.rules import ContextRules
+from akv.system.context.request import compile_request
+from akv.system.context.rules import ContextRules, is_plain_request
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +52,21 @@ def compile_context_program(
     The attributed render must reproduce ``prompt_ids`` token for token, else
     :class:`UnsupportedContextRequest`; template ownership problems raise ``ProvenanceError``.
     """
-    rules = request_rules(request)
-    if rules is None:
+    if is_plain_request(request.drop_message, request.reposition):
         return None
-    provenance = prompt_provenance(tokenizer, messages, tools=tools, **template_kwargs)
+    compiled = compile_request(
+        tokenizer, messages, drop_message=request.drop_message, reposition=request.reposition, tools=tools,
+        **template_kwargs,
+    )
     expected = [int(t) for t in prompt_ids]
-    got = provenance.token_ids.tolist()
+    got = compiled.program.token_ids.tolist()
     if got != expected:
         at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
         raise UnsupportedContextRequest(
             f"chat_template: the attributed render differs from the server's prompt at token {at} "
             f"(lengths {len(got)} vs {len(expected)}); drop_message/reposition cannot be placed"
         )
-    return compile_program(provenance.token_ids, provenance.owners, rules, len(messages))
+    return compiled.program
 
 
 def _check_request_mode(request: Any, is_multimodal: bool) -> None:
