@@ -110,7 +110,6 @@ class ChatTemplate:
     def __init__(self, source: str) -> None:
         if not isinstance(source, str) or not source:
             raise ProvenanceError(f"chat_template: expected a non-empty string, got {source!r:.60}")
-        self.source = source
         env = _environment()
         self._plain = env.from_string(source)
         tree = env.parse(source)

@@ -102,7 +102,7 @@ def decode_program(data: bytes) -> ContextProgram:
         rules = ContextRules(
             drops=tuple(
                 Drop(int(a), tuple(int(m) for m in msgs))
-                for a, msgs in zip(anchors.tolist(), np.split(dropped, splits) if n_drops else [])
+                for a, msgs in zip(anchors.tolist(), np.split(dropped, splits))
             ),
             repositions=tuple(int(r) for r in repos.tolist()),
         )
