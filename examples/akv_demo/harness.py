@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from akv.agent import CacheOperationHistory
-from akv.agent import send_chat_request
+from akv.agent import CacheOperationHistory, send_chat_request
 from akv_demo.artifacts import RunArtifacts
 from akv_demo.plot import write_svg
 from akv_demo.policies import DemoPolicy, make_counter, make_policy

@@ -28,7 +28,6 @@ POLICY_KINDS = ("turn", "token", "model")
 class DemoPolicy:
     """A policy plus, for the model-driven kind, the ``drop_context`` tool offered to the model."""
 
-    kind: str
     policy: CachePolicy
     drop_tool: DropContextTool | None
     description: str
@@ -48,20 +47,20 @@ def make_policy(kind: str, *, record_tokens: int, counter: TokenCounter | None =
     """``record_tokens`` is the size of one record as ``counter`` counts it; token thresholds scale
     with it. ``counter`` defaults to the dependency-free estimate."""
     if kind == "turn":
-        return DemoPolicy(kind, CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(2),
-                                            reposition=TurnReposition(after=1, every=1)), None,
+        return DemoPolicy(CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(2),
+                                      reposition=TurnReposition(after=1, every=1)), None,
                           "keep the 2 newest records, drop older ones; reposition after each drop")
     if kind == "token":
         counter = counter or ApproximateTokenCounter()
         threshold, target = 3 * record_tokens, 2 * record_tokens
-        return DemoPolicy(kind, CachePolicy(trigger=TokenTrigger(threshold, counter),
-                                            selector=TokenSelection(target, counter),
-                                            reposition=TokenReposition(threshold, counter)), None,
+        return DemoPolicy(CachePolicy(trigger=TokenTrigger(threshold, counter),
+                                      selector=TokenSelection(target, counter),
+                                      reposition=TokenReposition(threshold, counter)), None,
                           f"drop oldest records once the visible prompt exceeds ~{threshold} tokens "
                           f"(down to ~{target}); reposition past ~{threshold} positions; counted by "
                           f"{type(counter).__name__}")
     if kind == "model":
         policy = CachePolicy(trigger=ModelTrigger(), selector=ModelSelection(), reposition=ModelReposition())
-        return DemoPolicy(kind, policy, policy.drop_context_tool(),
+        return DemoPolicy(policy, policy.drop_context_tool(),
                           "the model calls drop_context to hide records it no longer needs")
     raise ValueError(f"policy must be one of {list(POLICY_KINDS)}, got {kind!r}")

@@ -20,7 +20,7 @@ _CARRIERS = ("Northwind Lines", "Blue Heron Freight", "Kestrel Shipping", "Merid
 
 
 class ToolError(ValueError):
-    """A tool call named an unknown tool, or its arguments are invalid."""
+    """A ``read_record`` call named a record id that is not in the chain."""
 
 
 @dataclass(frozen=True)
