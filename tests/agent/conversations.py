@@ -1,4 +1,4 @@
-"""Builders for tool-using conversations, used by the agent tests and the benchmark."""
+"""Builders for tool-using conversations, used by the agent tests."""
 
 from __future__ import annotations
 

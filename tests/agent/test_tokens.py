@@ -4,6 +4,7 @@ server-side provenance, and use inside token rules."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -125,6 +126,11 @@ def test_constructor_errors():
     tokenizer.chat_template = None
     with pytest.raises(ConfigError, match="no chat template"):
         ChatTemplateTokenCounter(tokenizer)
+    slow = SimpleNamespace(chat_template=CHAR_TEMPLATE, is_fast=False)
+    with pytest.raises(ConfigError, match="needs a fast tokenizer"):
+        ChatTemplateTokenCounter(slow)
+    with pytest.raises(ConfigError, match="api_style must be one of"):
+        ChatTemplateTokenCounter(char_tokenizer()).layout([{"role": "user", "content": "a"}], api_style="vllm")
 
 
 @settings(max_examples=15, deadline=None)

@@ -66,8 +66,9 @@ def test_text_tracker_cuts_at_stop_strings_and_holds_back_prefixes() -> None:
 def test_greedy_and_seeded_sampling() -> None:
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     assert Sampler(Sampling()).pick(logits) == 1
-    draws = [Sampler(Sampling(temperature=1.0, seed=5)).pick(logits) for _ in range(3)]
-    assert len(set(draws)) == 1
+    runs = [[sampler.pick(logits) for _ in range(30)] for sampler in
+            (Sampler(Sampling(temperature=1.0, seed=5)) for _ in range(2))]
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1  # the seed fixes a sequence that still varies
     sampler = Sampler(Sampling(temperature=1.0, top_p=0.5, seed=1))
     assert {sampler.pick(logits) for _ in range(50)} == {1}
     hot = Sampler(Sampling(temperature=2.0, seed=2))
