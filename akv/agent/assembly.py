@@ -66,11 +66,17 @@ class StreamAssembler:
             if not isinstance(usage, dict):
                 raise StreamError(f"usage must be an object, got {usage!r}", body=event.data)
             self._usage = usage
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise StreamError(f"choices must be a list, got {choices!r}", body=event.data)
         output = False
-        for choice in chunk.get("choices") or ():
+        for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 raise StreamError(f"only one choice (index 0) is supported, got {choice!r}", body=event.data)
-            output |= self._delta(choice.get("delta") or {}, event.data)
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise StreamError(f"delta must be an object, got {delta!r}", body=event.data)
+            output |= self._delta(delta, event.data)
             if choice.get("finish_reason") is not None:
                 self._finish = choice["finish_reason"]
         return output
@@ -89,8 +95,15 @@ class StreamAssembler:
             if not isinstance(fragment, dict):
                 raise StreamError(f"tool_calls fragment must be an object, got {fragment!r}", body=raw)
             index = fragment.get("index", position)
-            parts = self._calls.setdefault(index, _CallParts())
             function = fragment.get("function") or {}
+            if type(index) is not int or not isinstance(function, dict):
+                raise StreamError(f"tool_calls fragment needs an int index and a function object, got {fragment!r}",
+                                  body=raw)
+            for name, value in (("id", fragment.get("id")), ("function.name", function.get("name")),
+                                ("function.arguments", function.get("arguments"))):
+                if value is not None and not isinstance(value, str):
+                    raise StreamError(f"tool_calls fragment {name} must be a string, got {value!r}", body=raw)
+            parts = self._calls.setdefault(index, _CallParts())
             if fragment.get("id") and not parts.id:
                 parts.id = fragment["id"]
             if function.get("name") and not parts.name:

@@ -126,6 +126,23 @@ def test_context_length_error_event():
             send_chat_request(url, PAYLOAD)
 
 
+@pytest.mark.parametrize("bad, match", [
+    ({"choices": "abc"}, "choices must be a list"),
+    ({"choices": [{"index": 0, "delta": "x"}]}, "delta must be an object"),
+    ({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "f"}]}}]}, "function"),
+    ({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": "a", "function": {"name": "f"}}]}}]}, "index"),
+    ({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 3}}]}}]},
+     "function.arguments must be a string"),
+    ({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": 5, "function": {}}]}}]},
+     "id must be a string"),
+])
+def test_malformed_chunks_are_stream_errors(bad, match):
+    with serve(Script(pieces=[sse(EVENTS[:2] + [bad])])) as url:
+        with pytest.raises(StreamError, match=match) as info:
+            send_chat_request(url, PAYLOAD)
+    assert json.loads(info.value.body) == bad
+
+
 def test_invalid_utf8_in_stream():
     with serve(Script(pieces=[b"data: \xff\xfe\n\n"])) as url:
         with pytest.raises(StreamError, match="not valid UTF-8"):
