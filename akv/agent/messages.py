@@ -112,7 +112,7 @@ def parse_conversation(messages: object,
             raise PayloadError(f"message {i}: must be an object, got {type(message).__name__}",
                                message_id=i, field="messages")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise PayloadError(f"message {i}: unknown role {role!r} (expected one of {sorted(ROLES)})",
                                message_id=i, field="role")
         roles.append(role)  # type: ignore[arg-type]

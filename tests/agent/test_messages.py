@@ -14,6 +14,7 @@ USER = {"role": "user", "content": "task"}
 
 @pytest.mark.parametrize("messages, message_id, match", [
     ([USER, {"role": "robot", "content": "x"}], 1, r"message 1: unknown role 'robot'"),
+    ([USER, {"role": ["user"], "content": "x"}], 1, r"message 1: unknown role \['user'\]"),
     ([USER, "hello"], 1, r"message 1: must be an object"),
     ([USER, result("A")], 1, r"message 1: tool result without a preceding assistant tool call"),
     ([USER, call("A"), result("A"), result("A")], 3, r"message 3: extra tool result: tool_call_id 'call_A' answers"),
