@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         from akv.system.reference_server import Engine, ReferenceServer
 
         print(f"starting the embedded reference server on {args.model_path} ...", flush=True)
-        engine = Engine(args.model_path, name=model)
+        try:
+            engine = Engine(args.model_path, name=model)
+        except (ValueError, OSError) as exc:  # ModelDirError is a ValueError
+            print(f"error: --model-path: {exc}", file=sys.stderr)
+            return 2
         server = ReferenceServer(engine)
         server.start_in_background()
         base_url, model = server.url, engine.model_name

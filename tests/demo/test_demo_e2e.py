@@ -135,3 +135,12 @@ def test_cli_with_embedded_server(model_dir: Path, tmp_path: Path) -> None:
     assert load(out / "summary.json")["chain_completed"] is True
     again = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 2 and "not empty" in again.stderr
+
+
+def test_cli_reports_a_bad_model_path_without_a_traceback(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "examples" / "demo.py"), "--model-path", str(tmp_path / "missing"),
+               "--output", str(tmp_path / "out"), "--scripted"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "missing" in done.stderr and "is not a directory" in done.stderr

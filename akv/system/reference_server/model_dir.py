@@ -29,7 +29,7 @@ def load_model_dir(path: str | Path) -> ModelDir:
 
     root = Path(path)
     if not root.is_dir():
-        raise ModelDirError(f"--model {str(root)!r} is not a directory")
+        raise ModelDirError(f"model directory {str(root)!r} is not a directory")
     tokenizer_file = root / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ModelDirError(f"{str(tokenizer_file)!r} is missing (a fast tokenizer is required)")
