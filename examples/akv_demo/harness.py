@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from akv.agent import CacheOperationHistory, send_chat_request
+from akv.agent import CacheOperationHistory, TokenCounter, send_chat_request
 from akv_demo.artifacts import RunArtifacts
 from akv_demo.plot import write_svg
 from akv_demo.policies import DemoPolicy, make_counter, make_policy
@@ -73,9 +73,8 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
     artifacts = RunArtifacts(config.output)
     chain = ShipmentChain.generate(config.steps, manifest_lines=config.manifest_lines, seed=config.seed)
     counter = make_counter(config.tokenizer_dir) if config.policy == "token" else None
-    sample = {"role": "tool", "content": chain.read(chain.first_id)}
-    record_tokens = counter.layout([sample]).message_tokens[0] if counter else len(sample["content"]) // 4
-    demo = make_policy(config.policy, record_tokens=record_tokens, counter=counter)
+    record_size = record_tokens(chain, counter) if counter else len(chain.read(chain.first_id)) // 4
+    demo = make_policy(config.policy, record_tokens=record_size, counter=counter)
     tools = [read_record_schema()] + ([demo.drop_tool.schema()] if demo.drop_tool else [])
     artifacts.write("run.json", {
         "base_url": config.base_url, "model": config.model, "policy": config.policy,
@@ -134,6 +133,16 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
     log(table)
     log(f"chain completed: {completed}; final answer: {final_answer!r}; artifacts in {config.output}")
     return DemoResult(tuple(records), tuple(convo.records_read), completed, final_answer, config.output)
+
+
+def record_tokens(chain: ShipmentChain, counter: TokenCounter) -> int:
+    """Tokens of the first record as the tool result of the first step, counted in that conversation
+    (templates such as Qwen3's refuse to render a tool message without a user query before it)."""
+    messages = _Conversation(chain).messages
+    call = _call(len(messages), 0, TOOL_NAME, {"record_id": chain.first_id})
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": chain.read(chain.first_id)}]
+    return counter.layout(messages).message_tokens[-1]
 
 
 def _next_assistant_message(config: DemoConfig, chain: ShipmentChain, convo: _Conversation, demo: DemoPolicy,

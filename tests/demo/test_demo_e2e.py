@@ -19,7 +19,7 @@ from akv.system.reference_server import Engine, ReferenceServer
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
-from akv_demo.harness import DemoConfig, DemoResult, run_demo  # noqa: E402
+from akv_demo.harness import DemoConfig, DemoResult, record_tokens, run_demo  # noqa: E402
 from akv_demo.records import ShipmentChain  # noqa: E402
 
 STEP_FILES = ("payload_before", "payload_after", "history", "reply", "usage", "action")
@@ -144,3 +144,21 @@ def test_cli_reports_a_bad_model_path_without_a_traceback(tmp_path: Path) -> Non
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "missing" in done.stderr and "is not a directory" in done.stderr
+
+
+def test_record_size_is_counted_in_a_conversation_a_qwen3_style_template_accepts(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from akv.agent.tokens import ChatTemplateTokenCounter
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    # Qwen3's template refuses a message list without a user query; a lone tool message is such a list.
+    tokenizer.chat_template = (
+        "{%- set ns = namespace(query=false) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+        "{%- set ns.query = true %}{%- endif %}{%- endfor %}"
+        "{%- if not ns.query %}{{- raise_exception('No user query found in messages.') }}{%- endif %}"
+        + tokenizer.chat_template)
+    chain = ShipmentChain.generate(CHAIN, manifest_lines=5, seed=7)
+    counted = record_tokens(chain, ChatTemplateTokenCounter(tokenizer))
+    record = tokenizer(chain.read(chain.first_id), add_special_tokens=False)["input_ids"]
+    assert len(record) <= counted <= len(record) + 16
