@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from akv.system.arrays import frozen
 from akv.system.context.program import ContextProgram, EventKind
 
 DROP_OPEN = -1
@@ -51,8 +52,8 @@ class RecordKey:
         ids = _token_ids(token_ids)
         start = self.records.shape[0]
         return RecordKey(
-            records=_frozen(np.concatenate([self.records, ids])),
-            token_record=_frozen(np.concatenate([self.token_record, np.arange(start, start + ids.size)])),
+            records=frozen(np.concatenate([self.records, ids]), np.int64),
+            token_record=frozen(np.concatenate([self.token_record, np.arange(start, start + ids.size)]), np.int64),
             namespace=self.namespace,
         )
 
@@ -60,7 +61,8 @@ class RecordKey:
 def plain_key(token_ids: np.ndarray, namespace: str = "") -> RecordKey:
     """Key of a request without cache events: the token ids themselves."""
     ids = _token_ids(token_ids)
-    return RecordKey(records=_frozen(ids.copy()), token_record=_frozen(np.arange(ids.size)), namespace=namespace)
+    return RecordKey(records=frozen(ids.copy(), np.int64), token_record=frozen(np.arange(ids.size), np.int64),
+                     namespace=namespace)
 
 
 def program_key(program: ContextProgram, namespace: str = "") -> RecordKey:
@@ -84,8 +86,8 @@ def program_key(program: ContextProgram, namespace: str = "") -> RecordKey:
     pieces.append(program.token_ids[done:])
     token_record.append(np.arange(length, length + program.n_tokens - done))
     return RecordKey(
-        records=_frozen(np.concatenate(pieces).astype(np.int64)),
-        token_record=_frozen(np.concatenate(token_record).astype(np.int64)),
+        records=frozen(np.concatenate(pieces).astype(np.int64), np.int64),
+        token_record=frozen(np.concatenate(token_record).astype(np.int64), np.int64),
         namespace=namespace,
     )
 
@@ -112,8 +114,3 @@ def _token_ids(value: np.ndarray) -> np.ndarray:
         raise CacheKeyError(f"token_ids[{bad}]: negative token id {int(ids[bad])}")
     return ids
 
-
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    arr.flags.writeable = False
-    return arr

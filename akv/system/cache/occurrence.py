@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from akv.system.arrays import frozen
 from akv.system.cache.plan import CopyJob, MatchResult, RequestPlan, Segment, TerminalView
 from akv.system.cache.recovery import needed_queries, segment_spans
 from akv.system.cache.stages import StagePositions
@@ -45,7 +46,7 @@ class DraftPlan:
         fresh = np.asarray(fresh, dtype=np.int64)
         if fresh.shape != (self.n_fresh,):
             raise ValueError(f"fresh: expected {self.n_fresh} slots, got shape {fresh.shape}")
-        return replace(_map_slots(self.plan, fresh), fresh=_frozen(fresh.copy()))
+        return replace(_map_slots(self.plan, fresh), fresh=frozen(fresh.copy(), np.int64))
 
 
 def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
@@ -66,18 +67,19 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         positions = program.birth_position[span.start : span.end]
         table.add_births(tokens, positions, births)
         segments.append(
-            Segment(span.stage, span.start, span.end, _frozen(positions), births, _frozen(visible), prefix_slots,
-                    _frozen(at_stage), copies)
+            Segment(span.stage, span.start, span.end, frozen(positions, np.int64), births,
+                    frozen(visible, np.int64), prefix_slots, frozen(at_stage, np.int64), copies)
         )
     kept = np.flatnonzero(program.keep)
     final = program.final_position[kept]
     terminal_slots, terminal_copies = table.resolve(kept, final, len(segments), pinned=True)
-    terminal = TerminalView(_frozen(kept), terminal_slots, _frozen(final), terminal_copies, program.next_position)
+    terminal = TerminalView(frozen(kept, np.int64), terminal_slots, frozen(final, np.int64), terminal_copies,
+                            program.next_position)
     from_tree = np.zeros(program.n_tokens, dtype=bool)
     from_tree[: resident.shape[0]] = resident
     usage = count_usage(program.n_prompt, from_tree, computed, table.read, table.rerotated)
-    plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), _frozen(np.zeros(0, np.int64)),
-                       _frozen_mask(computed), usage)
+    plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), frozen(np.zeros(0, np.int64), np.int64),
+                       frozen(computed, bool), usage)
     colors, n_colors = recycle_slots(table.created(), table.last_use())
     return DraftPlan(n_colors, _map_slots(plan, -2 - colors))
 
@@ -115,7 +117,7 @@ def _map_slots(plan: RequestPlan, table: np.ndarray) -> RequestPlan:
     padded = np.append(table, _EMPTY)  # a valid gather target for the non-virtual entries
 
     def real(a: np.ndarray) -> np.ndarray:
-        return _frozen(np.where(a <= -2, padded[np.maximum(-a - 2, 0)], a))
+        return frozen(np.where(a <= -2, padded[np.maximum(-a - 2, 0)], a), np.int64)
 
     def job(c: CopyJob) -> CopyJob:
         return CopyJob(c.tokens, real(c.src), real(c.dst), c.old_positions, c.new_positions)
@@ -200,27 +202,18 @@ class _VersionTable:
         self.positions[need, self.copy_col] = new
         self.rerotated[need] = True
         out[~found] = dst
-        return _frozen(out), CopyJob(_frozen(need), _frozen(src), _frozen(dst), _frozen(old), _frozen(new))
+        job = CopyJob(*(frozen(a, np.int64) for a in (need, src, dst, old, new)))
+        return frozen(out, np.int64), job
 
     def add_births(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         self.slots[tokens, self.birth_col] = slots
         self.positions[tokens, self.birth_col] = positions
 
     def borrowed(self) -> np.ndarray:
-        return _frozen(self.slots[:, : self.birth_col][self.used[:, : self.birth_col]])
+        return frozen(self.slots[:, : self.birth_col][self.used[:, : self.birth_col]], np.int64)
 
     def _touch(self, slots: np.ndarray, step: int) -> None:
         virtual = -2 - slots[slots <= -2]
         self._last_use[virtual] = np.maximum(self._last_use[virtual], step)
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    arr.flags.writeable = False
-    return arr
-
-
-def _frozen_mask(arr: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(arr, dtype=bool)
-    arr.flags.writeable = False
-    return arr

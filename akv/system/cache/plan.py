@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from akv.system.arrays import frozen
+
 
 @dataclass(frozen=True)
 class MatchResult:
@@ -81,11 +83,11 @@ class Segment:
                 stage=self.stage,
                 start=self.start + lo,
                 end=self.start + hi,
-                positions=_frozen(self.positions[lo:hi]),
-                slots=_frozen(self.slots[lo:hi]),
-                prefix_tokens=_frozen(np.concatenate([self.prefix_tokens, done])),
-                prefix_slots=_frozen(np.concatenate([self.prefix_slots, self.slots[:lo]])),
-                prefix_positions=_frozen(np.concatenate([self.prefix_positions, self.positions[:lo]])),
+                positions=frozen(self.positions[lo:hi], np.int64),
+                slots=frozen(self.slots[lo:hi], np.int64),
+                prefix_tokens=frozen(np.concatenate([self.prefix_tokens, done]), np.int64),
+                prefix_slots=frozen(np.concatenate([self.prefix_slots, self.slots[:lo]]), np.int64),
+                prefix_positions=frozen(np.concatenate([self.prefix_positions, self.positions[:lo]]), np.int64),
                 copies=self.copies if lo == 0 else _no_copies(),
             ))
         return tuple(out)
@@ -153,12 +155,6 @@ class RequestPlan:
         return tuple(s.copies for s in self.segments) + (self.terminal.copies,)
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(arr, dtype=np.int64)
-    arr.flags.writeable = False
-    return arr
-
-
 def _no_copies() -> CopyJob:
-    empty = _frozen(np.zeros(0, dtype=np.int64))
+    empty = frozen(np.zeros(0, dtype=np.int64), np.int64)
     return CopyJob(empty, empty, empty, empty, empty)

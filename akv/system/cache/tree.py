@@ -15,6 +15,7 @@ import itertools
 
 import numpy as np
 
+from akv.system.arrays import frozen
 from akv.system.cache.keys import RecordKey
 from akv.system.cache.plan import MatchResult
 from akv.system.cache.pool import SlotPool
@@ -102,7 +103,7 @@ class RadixTree:
             node = child
         n_tokens = key.tokens_within(i)
         slots, positions = _gather(parts, key.token_record[:n_tokens])
-        return MatchResult(n_tokens=n_tokens, n_records=i, slots=_frozen(slots), positions=_frozen(positions))
+        return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
 
     def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> None:
         """Publish versions for ``key``'s tokens: ``slots[t, j]`` at ``positions[t, j]`` (-1 = none).
@@ -301,8 +302,3 @@ def _pad(arr: np.ndarray, width: int) -> np.ndarray:
 def _widen(arr: np.ndarray) -> np.ndarray:
     return np.concatenate([arr, np.full((arr.shape[0], 1), _EMPTY, dtype=arr.dtype)], axis=1)
 
-
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(arr)
-    arr.flags.writeable = False
-    return arr

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from akv.system.arrays import frozen
 from akv.system.context.program import ContextProgram, Event, EventKind, Transition
 from akv.system.context.rules import ContextRules
 
@@ -51,16 +52,16 @@ def append_generated(program: ContextProgram, token_ids: Any) -> ContextProgram:
     keep = np.concatenate([program.keep, np.ones(k, dtype=bool)])
     visible_until = np.where(keep, n, np.concatenate([program.visible_until, np.zeros(k, np.int64)]))
     return ContextProgram(
-        token_ids=_frozen(np.concatenate([program.token_ids, new])),
-        owners=_frozen(np.concatenate([program.owners, np.full(k, program.n_messages, np.int64)])),
+        token_ids=frozen(np.concatenate([program.token_ids, new])),
+        owners=frozen(np.concatenate([program.owners, np.full(k, program.n_messages, np.int64)])),
         n_prompt=program.n_prompt,
         n_messages=program.n_messages,
         events=program.events,
-        birth_position=_frozen(np.concatenate([program.birth_position, positions])),
-        birth_stage=_frozen(np.concatenate([program.birth_stage, np.full(k, program.n_stages - 1, np.int64)])),
-        final_position=_frozen(np.concatenate([program.final_position, positions])),
-        keep=_frozen(keep),
-        visible_until=_frozen(visible_until),
+        birth_position=frozen(np.concatenate([program.birth_position, positions])),
+        birth_stage=frozen(np.concatenate([program.birth_stage, np.full(k, program.n_stages - 1, np.int64)])),
+        final_position=frozen(np.concatenate([program.final_position, positions])),
+        keep=frozen(keep),
+        visible_until=frozen(visible_until),
         transitions=program.transitions,
         next_position=program.next_position + k,
     )
@@ -166,23 +167,23 @@ def _lay_out(ids: np.ndarray, owners: np.ndarray, n_messages: int, events: tuple
         else:
             run_base += born - run_start
         run_start = born
-        transitions.append(Transition(stage, _frozen(tokens), _frozen(old), _frozen(new)))
+        transitions.append(Transition(stage, frozen(tokens), frozen(old), frozen(new)))
     birth_position[run_start:] = np.arange(run_base, run_base + n - run_start)
     position[run_start:] = birth_position[run_start:]
     at = np.array([e.at for e in events] + [n], dtype=np.int64)
     birth_stage = np.repeat(np.arange(len(events) + 1, dtype=np.int64), np.diff(at, prepend=0))
     keep = hidden_by == _ALIVE
     return ContextProgram(
-        token_ids=_frozen(ids),
-        owners=_frozen(owners),
+        token_ids=frozen(ids),
+        owners=frozen(owners),
         n_prompt=n,
         n_messages=n_messages,
         events=events,
-        birth_position=_frozen(birth_position),
-        birth_stage=_frozen(birth_stage),
-        final_position=_frozen(np.where(keep, position, -1)),
-        keep=_frozen(keep),
-        visible_until=_frozen(at[np.minimum(hidden_by, len(events))]),
+        birth_position=frozen(birth_position),
+        birth_stage=frozen(birth_stage),
+        final_position=frozen(np.where(keep, position, -1)),
+        keep=frozen(keep),
+        visible_until=frozen(at[np.minimum(hidden_by, len(events))]),
         transitions=tuple(transitions),
         next_position=run_base + n - run_start,
     )
@@ -200,8 +201,3 @@ def _hidden_by(n: int, events: tuple[Event, ...]) -> np.ndarray:
         hidden_by[tokens] = np.repeat(index, lengths)
     return hidden_by
 
-
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr = np.ascontiguousarray(arr)
-    arr.flags.writeable = False
-    return arr
