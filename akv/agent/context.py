@@ -15,6 +15,7 @@ from akv.agent.receipts import ModelRequest, find_model_requests
 
 @dataclass
 class _CountCache:
+    counter: TokenCounter  # held so that no other counter can take its id() while the state lives
     layout: TokenLayout
     prefix: list[int]
     hidden_seen: int = 0
@@ -71,7 +72,7 @@ class DecisionState:
                                       f"per message ({len(self.messages)})")
             prefix = [0]
             prefix.extend(end for _, end in layout.spans)
-            cache = self.counts[id(counter)] = _CountCache(layout, prefix)
+            cache = self.counts[id(counter)] = _CountCache(counter, layout, prefix)
         spans = cache.layout.spans
         if cache.hidden_seen < len(self.hidden_order):
             cache.hidden_tokens += sum(spans[i][1] - spans[i][0] for i in self.hidden_order[cache.hidden_seen:])

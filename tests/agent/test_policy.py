@@ -167,6 +167,20 @@ def test_user_message_declared_as_completed_turn():
     assert fields(new) == {"drop_message": {"3": [2]}, "reposition": [5]}
 
 
+def test_counters_made_inside_a_rule_are_each_counted_with_their_own_layout():
+    seen = []
+
+    def selector(ctx):
+        # two short-lived counters: the second may reuse the first one's id() once it is freed
+        seen.append((ctx.tokens(ApproximateTokenCounter(chars_per_token=1.0, message_overhead=0), [2]),
+                     ctx.tokens(ApproximateTokenCounter(chars_per_token=100.0, message_overhead=0), [2])))
+        return []
+
+    messages = [{"role": "user", "content": "task"}, call("A"), result("A", "x" * 400), call("B"), result("B")]
+    CachePolicy(selector=selector).process(payload(messages))
+    assert seen == [(400, 4), (400, 4)]
+
+
 def test_custom_rules_are_checked():
     def future(ctx):
         return [ctx.boundary + 1]
