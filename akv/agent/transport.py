@@ -36,9 +36,9 @@ def chat_completions_url(base_url: str) -> str:
 def send_chat_request(base_url: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None,
                       timeout: float = 600.0, trace: str | os.PathLike[str] | None = None) -> GenerationResult:
     """POST `payload` with `stream: true` (and `stream_options: {"include_usage": true}` when the payload
-    has no `stream_options`) and assemble the SSE reply. `timeout` bounds each socket operation. With `trace`, a new directory of that name
-    records the call. Raises HTTPStatusError, ContextLengthError, StreamError, IncompleteStreamError or
-    TransportError (all BackendError)."""
+    has no `stream_options`) and assemble the SSE reply. `timeout` bounds each socket operation. With
+    `trace`, a new directory of that name records the call. Raises HTTPStatusError, ContextLengthError,
+    StreamError, IncompleteStreamError or TransportError (all BackendError)."""
     if payload.get("stream") is False:
         raise ValueError("send_chat_request is streaming-only; payload has stream=false")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
