@@ -63,6 +63,12 @@ def test_usage_chunk_policy() -> None:
     assert parse(reposition=[0]).is_context and not parse().is_context
 
 
+def test_null_or_empty_fields_are_a_plain_request_as_on_the_sglang_server() -> None:
+    assert not parse(drop_message={}).is_context
+    assert not parse(drop_message=None, reposition=None).is_context
+    assert parse(stream=True, drop_message={}).include_usage is False
+
+
 @pytest.mark.parametrize(("fields", "field"), [
     ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from akv.agent.templating import TemplateInputError, template_messages, template_tools
-from akv.system.context.rules import ContextRules, RuleError, parse_rules
+from akv.system.context.rules import ContextRules, RuleError, is_plain_request, parse_rules
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
@@ -103,7 +103,7 @@ def parse_chat_request(body: Any, served_model: str, content_format: str = "stri
         rules = parse_rules(drop_message, reposition, len(messages))
     except RuleError as exc:
         raise RequestError(exc.field, exc.value, str(exc).split(": ", 1)[-1]) from exc
-    is_context = "drop_message" in body or "reposition" in body
+    is_context = not is_plain_request(drop_message, reposition)
 
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
