@@ -14,10 +14,6 @@ _FORMAT = "akv.cache_operation_history/1"
 _SETTINGS_FIELDS = ("model", "tools", "chat_template_kwargs", "reasoning_effort")
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int
-
-
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=repr)
 
 
@@ -56,7 +52,7 @@ class CacheOperation:
 
     def __post_init__(self) -> None:
         boundary = self.boundary
-        if not _is_int(boundary) or boundary < 0:
+        if type(boundary) is not int or boundary < 0:
             raise HistoryError(f"CacheOperation.boundary must be a non-negative int, got {boundary!r}")
         if not isinstance(self.drop, tuple):
             raise HistoryError(f"CacheOperation.drop must be a tuple, got {type(self.drop).__name__}")
@@ -92,7 +88,7 @@ class CacheOperationHistory:
         if not isinstance(self.operations, tuple) or not all(
                 isinstance(op, CacheOperation) for op in self.operations):
             raise HistoryError("CacheOperationHistory.operations must be a tuple of CacheOperation")
-        if not _is_int(self.message_count) or self.message_count < 1:
+        if type(self.message_count) is not int or self.message_count < 1:
             raise HistoryError(f"CacheOperationHistory.message_count must be a positive int, "
                                f"got {self.message_count!r}")
         deferred = "_digest_source" in self.__dict__

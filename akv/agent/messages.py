@@ -42,10 +42,6 @@ class Conversation:
         return len(self.roles)
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int
-
-
 def _tool_calls(message: Mapping[str, object], i: int) -> dict[str, str]:
     """Function name by tool-call id, in call order."""
     calls = message.get("tool_calls")
@@ -154,7 +150,7 @@ def _explicit_boundaries(ids: Sequence[int], roles: list[str], native: tuple[int
     native_set = set(native)
     previous = -1
     for i in ids:
-        if not _is_int(i) or not 0 <= i < len(roles):
+        if type(i) is not int or not 0 <= i < len(roles):
             raise PayloadError(f"completed_call_message_ids: {i!r} is not a message id in [0, {len(roles)})",
                                field="completed_call_message_ids")
         if i <= previous:
