@@ -173,6 +173,11 @@ class DecisionContext:
         requests, boundaries = found
         return requests[:bisect.bisect_right(boundaries, self.boundary)]
 
+    def model_request_here(self, tool_name: str) -> bool:
+        """True when this boundary's tool-call batch carries a successful `tool_name` receipt."""
+        requests = self.model_requests(tool_name)
+        return bool(requests) and requests[-1].boundary == self.boundary
+
 
 def check_ids(ids: object, ctx: DecisionContext, rule: object) -> list[int]:
     """Validate a selector's output: ints, not after the boundary. Returns them in order, de-duplicated."""

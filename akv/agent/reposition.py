@@ -51,5 +51,4 @@ class ModelReposition:
         checks.tool_name("ModelReposition", self.tool_name)
 
     def __call__(self, ctx: DecisionContext) -> bool:
-        requests = ctx.model_requests(self.tool_name)
-        return bool(requests) and requests[-1].boundary == ctx.boundary
+        return ctx.model_request_here(self.tool_name)

@@ -50,5 +50,4 @@ class ModelTrigger:
         checks.tool_name("ModelTrigger", self.tool_name)
 
     def __call__(self, ctx: DecisionContext) -> bool:
-        requests = ctx.model_requests(self.tool_name)
-        return bool(requests) and requests[-1].boundary == ctx.boundary
+        return ctx.model_request_here(self.tool_name)
