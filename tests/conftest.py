@@ -4,6 +4,7 @@ kernels run in interpreter mode there (set before any kernel module is imported)
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +28,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A whole-suite run must collect every test file under tests/ (pytest's ``norecursedirs``
+    silently skips folders such as ``build``); fail the run naming any file left out."""
+    config = session.config
+    tests_dir = Path(__file__).resolve().parent
+    if [Path(a).resolve() for a in config.args] != [tests_dir] or config.getoption("-k") or config.getoption("-m"):
+        return
+    on_disk = {p.resolve() for p in tests_dir.rglob("test_*.py")}
+    collected = {Path(str(item.path)).resolve() for item in session.items}
+    missing = sorted(str(p.relative_to(tests_dir)) for p in on_disk - collected)
+    if missing:
+        raise pytest.UsageError(f"test files not collected (check norecursedirs and names): {', '.join(missing)}")
