@@ -46,9 +46,10 @@ def _check_usage(plan: RequestPlan, trace: Trace, brute: BruteLayout, n_prompt: 
     rerotated = [s for s in reused if trace.read_from[s] & trace.written]
     skipped = [s for s in prompt if s not in trace.computed and s not in trace.read_from]
     assert all(s not in brute.terminal for s in skipped), "an unread token is still visible"
+    dropped = [s for s in prompt if s not in brute.terminal]
     assert plan.usage.cached_tokens == len(reused) - len(rerotated)
     assert plan.usage.repos_tokens == len(rerotated)
-    assert plan.usage.drop_skipped_tokens == len(skipped)
+    assert plan.usage.drop_skipped_tokens == len(dropped), "every dropped prompt token counts, computed or not"
 
 
 def _check_held(active: list[tuple[ActiveRequest, Conversation, int, BruteLayout]], pool: SlotPool, kv: SimulatedKV) -> None:

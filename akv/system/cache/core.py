@@ -1,16 +1,27 @@
-"""The cache core an engine drives: admit a request (match, plan, allocate), finish it (publish its
-new KV to the tree, release its references). Slots are freed only when nothing references them."""
+"""The cache core an engine drives, in the engine's own order:
+
+- :meth:`CacheCore.match` — pure and cheap to repeat: the tree's versions for a program and a
+  :class:`Draft` plan with virtual slots (valid while the tree's ``epoch`` is unchanged);
+- :meth:`CacheCore.commit` — at the engine's lock time: take references on the borrowed versions
+  and allocate the copy slots; returns the :class:`ActiveRequest` handle;
+- :meth:`CacheCore.bind_births` — the engine allocates each chunk's birth slots and hands them over;
+- :meth:`CacheCore.finish` publishes the request's KV to the tree, :meth:`CacheCore.abort` does not;
+  both release every reference the request holds.
+
+:meth:`CacheCore.admit` does match, commit and every birth at once (engines that allocate up front).
+Slots are freed only when nothing references them.
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from akv.system.cache.keys import RecordKey, program_key
-from akv.system.cache.occurrence import plan_occurrences
-from akv.system.cache.plan import RequestPlan
+from akv.system.cache.occurrence import DraftPlan, bind_births, plan_occurrences
+from akv.system.cache.plan import MatchResult, RequestPlan
 from akv.system.cache.pool import PoolExhausted, SlotPool
 from akv.system.cache.tree import RadixTree
 from akv.system.context.program import ContextProgram
@@ -25,13 +36,39 @@ class RequestStateError(ValueError):
 
 
 @dataclass(frozen=True)
+class Draft:
+    """A matched, planned, uncommitted request (holds nothing). ``epoch``: the tree's epoch it was
+    planned against; commit refuses a draft the tree has changed since."""
+
+    program: ContextProgram
+    key: RecordKey
+    match: MatchResult
+    plan: DraftPlan
+    epoch: int
+
+    @property
+    def n_births(self) -> int:
+        return self.plan.n_births
+
+    @property
+    def n_copy_slots(self) -> int:
+        return self.plan.n_copy_slots
+
+
+@dataclass(frozen=True)
 class ActiveRequest:
-    """An admitted request: its program, key and plan; the core holds its slot references."""
+    """A committed request: program, key, plan (copy slots real; births ``-2 - t`` until bound) and
+    ``births[t]``, the bound birth slot of token ``t`` (-1 while unbound)."""
 
     rid: int
     program: ContextProgram
     key: RecordKey
     plan: RequestPlan
+    births: np.ndarray
+
+    def resolved_plan(self) -> RequestPlan:
+        """The plan with every birth bound to its slot (raises if one is read but unbound)."""
+        return bind_births(self.plan, self.births)
 
 
 class CacheCore:
@@ -47,23 +84,61 @@ class CacheCore:
     def active(self) -> int:
         return len(self._active)
 
-    def admit(self, program: ContextProgram, namespace: str = "") -> ActiveRequest:
-        """Match ``program`` against the tree, plan it, and allocate its fresh slots (evicting as
-        needed). Atomic: on :class:`CacheFull` nothing is held and the tree only lost evictable KV."""
+    @property
+    def epoch(self) -> int:
+        return self.tree.epoch
+
+    def match(self, program: ContextProgram, namespace: str = "") -> Draft:
+        """Match ``program`` against the tree and plan it; takes nothing."""
         key = program_key(program, namespace)
         match = self.tree.match(key)
-        locked = match.slots[match.slots >= 0]
-        self.pool.incref(locked)
+        return Draft(program, key, match, plan_occurrences(program, match), self.tree.epoch)
+
+    def commit(self, draft: Draft) -> ActiveRequest:
+        """Reference the draft's borrowed versions and allocate its copy slots (evicting as needed).
+        Atomic: on :class:`CacheFull` nothing is held."""
+        if draft.epoch != self.tree.epoch:
+            raise RequestStateError(f"draft: planned at tree epoch {draft.epoch}, the tree is at {self.tree.epoch}")
+        borrowed = draft.plan.plan.borrowed
+        self.pool.incref(borrowed)
         try:
-            draft = plan_occurrences(program, match)
-            fresh = self.allocate(draft.n_fresh)
+            copies = self.allocate(draft.n_copy_slots)
         except BaseException:
-            self.pool.decref(locked)
+            self.pool.decref(borrowed)
             raise
-        plan = draft.bind(fresh)
-        self.pool.incref(plan.borrowed)
-        self.pool.decref(locked)
-        request = ActiveRequest(next(self._rids), program, key, plan)
+        plan = draft.plan.bind_copies(copies)
+        births = np.full(draft.program.n_tokens, -1, dtype=np.int64)
+        request = ActiveRequest(next(self._rids), draft.program, draft.key, plan, births)
+        self._active[request.rid] = request
+        return request
+
+    def bind_births(self, request: ActiveRequest, tokens: np.ndarray, slots: np.ndarray) -> None:
+        """Hand over the engine-allocated birth slots of ``tokens`` (the request now owns them)."""
+        self._check_active(request)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        if tokens.shape != slots.shape or tokens.ndim != 1:
+            raise RequestStateError(f"slots: shape {slots.shape} does not match tokens {tokens.shape}")
+        if tokens.size and ((tokens < 0).any() or (tokens >= request.program.n_tokens).any()
+                            or not request.plan.computed[tokens].all() or (request.births[tokens] >= 0).any()):
+            raise RequestStateError(f"tokens: {tokens.tolist()[:8]} are not unbound births of this request")
+        self.pool.adopt(slots)
+        request.births[tokens] = slots
+
+    def admit(self, program: ContextProgram, namespace: str = "") -> ActiveRequest:
+        """Match, commit and allocate every birth. The returned plan has only real slots, and its
+        ``fresh`` lists the copy slots and the births."""
+        draft = self.match(program, namespace)
+        request = self.commit(draft)
+        try:
+            births = self.allocate(draft.n_births)
+        except BaseException:
+            self.abort(request)
+            raise
+        request.births[np.flatnonzero(request.plan.computed)] = births
+        plan = request.resolved_plan()
+        plan = replace(plan, fresh=np.concatenate([plan.fresh, births]))
+        request = replace(request, plan=plan, births=np.full(program.n_tokens, -1, dtype=np.int64))
         self._active[request.rid] = request
         return request
 
@@ -80,13 +155,15 @@ class CacheCore:
     def finish(self, request: ActiveRequest, generated_ids: np.ndarray | None = None,
                generated_slots: np.ndarray | None = None) -> None:
         """Publish the request's KV (prompt plus generated tokens that have KV, whose slots the caller
-        got from :meth:`allocate` and hands over) and release every reference it holds."""
+        owns and hands over) and release every reference it holds."""
         ids = np.zeros(0, np.int64) if generated_ids is None else np.asarray(generated_ids, dtype=np.int64)
         slots = np.zeros(0, np.int64) if generated_slots is None else np.asarray(generated_slots, dtype=np.int64)
         if ids.shape != slots.shape or ids.ndim != 1:
             raise RequestStateError(f"generated_slots: shape {slots.shape} does not match generated_ids {ids.shape}")
+        self._check_active(request)
+        plan = request.resolved_plan()
         self._take(request)
-        tokens, positions, version_slots = _own_versions(request, slots)
+        tokens, positions, version_slots = _own_versions(request.program, plan, slots)
         n = request.program.n_tokens + ids.size
         table_slots, table_positions = _as_table(n, tokens, positions, version_slots)
         terminal = np.concatenate([request.program.final_position, request.program.next_position + np.arange(ids.size)])
@@ -102,27 +179,32 @@ class CacheCore:
         """Empty the tree (active requests keep their own references)."""
         self.tree.flush()
 
-    def _take(self, request: ActiveRequest) -> None:
-        if self._active.pop(request.rid, None) is None:
+    def _check_active(self, request: ActiveRequest) -> None:
+        if request.rid not in self._active:
             raise RequestStateError(f"request: rid {request.rid} is not active (finished or aborted already)")
 
+    def _take(self, request: ActiveRequest) -> None:
+        self._check_active(request)
+        del self._active[request.rid]
+
     def _release(self, request: ActiveRequest, generated_slots: np.ndarray) -> None:
-        self.pool.decref(np.concatenate([request.plan.borrowed, request.plan.fresh, generated_slots]))
+        births = request.births[request.births >= 0]
+        self.pool.decref(np.concatenate([request.plan.borrowed, request.plan.fresh, births, generated_slots]))
 
 
-def _own_versions(request: ActiveRequest, generated_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _own_versions(program: ContextProgram, plan: RequestPlan,
+                  generated_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(token, position, slot) of every version the request publishes: its births, the versions it
     made that generation reads, and generated KV. Copies only earlier stages read are historical;
     their slots may have been recycled within the request."""
-    plan = request.plan
-    n = request.program.n_tokens
+    n = program.n_tokens
     terminal = plan.terminal
     made = np.isin(terminal.slots, plan.fresh)
     tokens = [np.arange(s.start, s.end) for s in plan.segments] + [terminal.tokens[made]]
     positions = [s.positions for s in plan.segments] + [terminal.positions[made]]
     slots = [s.slots for s in plan.segments] + [terminal.slots[made]]
     tokens.append(n + np.arange(generated_slots.size))
-    positions.append(request.program.next_position + np.arange(generated_slots.size))
+    positions.append(program.next_position + np.arange(generated_slots.size))
     slots.append(generated_slots)
     all_slots = np.concatenate(slots).astype(np.int64)
     _, first = np.unique(all_slots, return_index=True)

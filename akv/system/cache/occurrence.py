@@ -6,15 +6,18 @@ fresh slot re-rotated to ``p`` (preferring the version stored at ``s``'s birth p
 rotated once from where they were computed). Tokens with no version at all are recomputed; the
 recovery module decides which.
 
-Fresh slots are numbered virtually while planning. A copy that only earlier segments read is dead
-afterwards (positions only decrease), so its slot is recycled for a later segment's copies or
-births: a request needs the peak, not the sum, of its live private versions. Births and what
-generation reads live to the end and are published. The numbers are bound to real slots at the
-end, so an engine sizes one allocation (and evicts for it) before anything changes.
+Fresh slots are numbered virtually while planning: ``-2 - t`` is the birth slot of token ``t``
+(an engine allocates births itself, chunk by chunk, and binds them as they are written) and
+``-2 - n_tokens - k`` is the ``k``-th copy slot. A copy that only earlier segments read is dead
+afterwards (positions only decrease), so its slot is recycled for a later segment's copies: a
+request needs the peak, not the sum, of its live copies. Births and what generation reads live to
+the end and are published. Copy slots are bound when the request is committed, so an engine
+budgets (and evicts for) one allocation before anything changes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -36,17 +39,46 @@ class PlanningError(RuntimeError):
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """A plan whose fresh slots are virtual ids ``-2, -3, ...``; :meth:`bind` makes it real."""
+    """A plan with virtual slots (module docstring): births ``-2 - t``, copies ``-2 - n_tokens - k``
+    for ``k < n_copy_slots``."""
 
-    n_fresh: int
+    n_tokens: int
+    n_copy_slots: int
     plan: RequestPlan
 
-    def bind(self, fresh: np.ndarray) -> RequestPlan:
-        """Replace virtual ids by ``fresh`` (``n_fresh`` real slots, in order)."""
-        fresh = np.asarray(fresh, dtype=np.int64)
-        if fresh.shape != (self.n_fresh,):
-            raise ValueError(f"fresh: expected {self.n_fresh} slots, got shape {fresh.shape}")
-        return replace(_map_slots(self.plan, fresh), fresh=frozen(fresh.copy(), np.int64))
+    @property
+    def n_births(self) -> int:
+        return int(self.plan.computed.sum())
+
+    def bind_copies(self, copy_slots: np.ndarray) -> RequestPlan:
+        """The plan with copy ids replaced by ``copy_slots`` (real, in order); births stay virtual."""
+        copy_slots = np.asarray(copy_slots, dtype=np.int64)
+        if copy_slots.shape != (self.n_copy_slots,):
+            raise ValueError(f"copy_slots: expected {self.n_copy_slots} slots, got shape {copy_slots.shape}")
+        table = np.append(copy_slots, _EMPTY)
+        offset = 2 + self.n_tokens
+
+        def real(a: np.ndarray) -> np.ndarray:
+            copies = a <= -offset
+            return np.where(copies, table[np.where(copies, -a - offset, self.n_copy_slots)], a)
+
+        return replace(map_slots(self.plan, real), fresh=frozen(copy_slots.copy(), np.int64))
+
+
+def bind_births(plan: RequestPlan, births: np.ndarray) -> RequestPlan:
+    """``plan`` with every virtual birth id ``-2 - t`` replaced by ``births[t]`` (all must be bound)."""
+    births = np.asarray(births, dtype=np.int64)
+    return map_slots(plan, lambda a: resolve_births(a, births))
+
+
+def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
+    """Real slots for ``slots``: virtual birth ids ``-2 - t`` become ``births[t]``."""
+    virtual = (slots <= -2) & (slots > -2 - births.shape[0])
+    out = np.where(virtual, births[np.where(virtual, -2 - slots, 0)], slots)
+    unbound = virtual & (out < 0)
+    if unbound.any():
+        raise PlanningError(f"token {int(-2 - slots[unbound][0])} is read before its birth slot is bound")
+    return out
 
 
 def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
@@ -62,8 +94,8 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         visible = np.flatnonzero(program.visible_until[: span.start] > span.start)
         at_stage = stages.at(span.stage)[visible]
         prefix_slots, copies = table.resolve(visible, at_stage, step)
-        births = table.fresh(span.end - span.start, step, pinned=True)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
+        births = frozen(-2 - tokens, np.int64)
         positions = program.birth_position[span.start : span.end]
         table.add_births(tokens, positions, births)
         segments.append(
@@ -77,11 +109,19 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
                             program.next_position)
     from_tree = np.zeros(program.n_tokens, dtype=bool)
     from_tree[: resident.shape[0]] = resident
-    usage = count_usage(program.n_prompt, from_tree, computed, table.read, table.rerotated)
+    usage = count_usage(program.n_prompt, from_tree, computed, table.read, table.rerotated,
+                        ~program.keep)
     plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), frozen(np.zeros(0, np.int64), np.int64),
                        frozen(computed, bool), usage)
     colors, n_colors = recycle_slots(table.created(), table.last_use())
-    return DraftPlan(n_colors, _map_slots(plan, -2 - colors))
+    offset = 2 + program.n_tokens
+    recolor = np.append(-offset - colors, _EMPTY)
+
+    def colored(a: np.ndarray) -> np.ndarray:
+        copies = a <= -offset
+        return np.where(copies, recolor[np.where(copies, -a - offset, colors.size)], a)
+
+    return DraftPlan(program.n_tokens, n_colors, map_slots(plan, colored))
 
 
 def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray, int]:
@@ -112,12 +152,11 @@ def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray
     return colors, n_colors
 
 
-def _map_slots(plan: RequestPlan, table: np.ndarray) -> RequestPlan:
-    """Rewrite virtual ids ``-2 - k`` to ``table[k]`` everywhere in ``plan``; real slots stay."""
-    padded = np.append(table, _EMPTY)  # a valid gather target for the non-virtual entries
+def map_slots(plan: RequestPlan, fn: Callable[[np.ndarray], np.ndarray]) -> RequestPlan:
+    """``plan`` with ``fn`` applied to every slot array (segments, prefixes, copies, terminal)."""
 
     def real(a: np.ndarray) -> np.ndarray:
-        return frozen(np.where(a <= -2, padded[np.maximum(-a - 2, 0)], a), np.int64)
+        return frozen(fn(a) if a.size else a, np.int64)
 
     def job(c: CopyJob) -> CopyJob:
         return CopyJob(c.tokens, real(c.src), real(c.dst), c.old_positions, c.new_positions)
@@ -149,12 +188,13 @@ class _VersionTable:
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
         self.birth = program.birth_position
+        self._offset = 2 + n
         self._n_fresh = 0
         self._created = np.zeros(max(n, 16), dtype=np.int64)
         self._last_use = np.zeros(max(n, 16), dtype=np.int64)
 
     def fresh(self, k: int, step: int, *, pinned: bool) -> np.ndarray:
-        """``k`` new virtual ids written at ``step``; pinned ones live to the end of the request."""
+        """``k`` new virtual copy ids written at ``step``; pinned ones live to the end of the request."""
         start, end = self._n_fresh, self._n_fresh + k
         if end > self._created.shape[0]:
             grow = max(end, 2 * self._created.shape[0]) - self._created.shape[0]
@@ -163,7 +203,7 @@ class _VersionTable:
         self._created[start:end] = step
         self._last_use[start:end] = _FOREVER if pinned else step
         self._n_fresh = end
-        return -2 - np.arange(start, end, dtype=np.int64)
+        return -self._offset - np.arange(start, end, dtype=np.int64)
 
     def created(self) -> np.ndarray:
         return self._created[: self._n_fresh]
@@ -213,7 +253,7 @@ class _VersionTable:
         return frozen(self.slots[:, : self.birth_col][self.used[:, : self.birth_col]], np.int64)
 
     def _touch(self, slots: np.ndarray, step: int) -> None:
-        virtual = -2 - slots[slots <= -2]
+        virtual = -self._offset - slots[slots <= -self._offset]
         self._last_use[virtual] = np.maximum(self._last_use[virtual], step)
 
 

@@ -121,7 +121,8 @@ class Usage:
 
     ``cached_tokens``: tokens whose resident KV was read only at the position it was stored for;
     ``repos_tokens``: tokens whose resident KV was read through a re-rotated copy;
-    ``drop_skipped_tokens``: prompt tokens neither computed nor read, because drops hid them.
+    ``drop_skipped_tokens``: prompt tokens a Drop hides from the queries after it (counted whether
+    this request computed them before the Drop or reused them).
     """
 
     cached_tokens: int

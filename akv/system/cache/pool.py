@@ -1,12 +1,17 @@
-"""KV slot pool with reference counts: a slot returns to the free list only at refcount zero.
+"""KV slot pool with reference counts: a slot returns to the free list only when nothing holds it.
 
 Slot ids run from 1 to ``size``; slot 0 is the padding slot (as in SGLang's pools) and is never
-handed out. Every holder (the radix tree, each request) takes its own reference.
+handed out. Two kinds of holder take references: requests (``incref``/``decref``) and the radix
+tree (``tree_incref``/``tree_decref``). A held slot is *protected* while some request references it
+and *evictable* while only the tree does; both counts are kept up to date in O(slots touched), so
+an engine can read them on every scheduling step. The free list itself is pluggable: an engine
+whose allocator must stay the only free list passes a :class:`FreeList` over it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -19,64 +24,161 @@ class PoolExhausted(RuntimeError):
     """Not enough free slots for an allocation."""
 
 
-class SlotPool:
-    """Free list plus per-slot reference counts; ``on_free`` sees every batch of slots freed."""
+class FreeList(Protocol):
+    """Where free slots live: ``take`` returns ``n`` of them (or None when short), ``give`` returns
+    slots to it, ``n_free`` counts them."""
 
-    def __init__(self, size: int, on_free: Callable[[np.ndarray], None] | None = None) -> None:
-        if type(size) is not int or size < 1:
-            raise PoolError(f"size: {size!r} is not a positive int")
-        self.size = size
-        self._refs = np.zeros(size + 1, dtype=np.int64)
+    @property
+    def n_free(self) -> int: ...
+
+    def take(self, n: int) -> np.ndarray | None: ...
+
+    def give(self, slots: np.ndarray) -> None: ...
+
+
+class ArrayFreeList:
+    """A stack of free slot ids ``1 .. size`` (lowest ids handed out first)."""
+
+    def __init__(self, size: int) -> None:
         self._free = np.arange(size, 0, -1, dtype=np.int64)
         self._n_free = size
-        self._on_free = on_free
 
     @property
     def n_free(self) -> int:
         return self._n_free
 
-    def alloc(self, n: int) -> np.ndarray:
-        """``n`` fresh slots, each with refcount 1 (owned by the caller)."""
-        if n < 0:
-            raise PoolError(f"n: cannot allocate {n} slots")
+    def take(self, n: int) -> np.ndarray | None:
         if n > self._n_free:
-            raise PoolExhausted(f"need {n} slots, {self._n_free} free of {self.size}")
+            return None
         slots = self._free[self._n_free - n : self._n_free][::-1].copy()
         self._n_free -= n
-        self._refs[slots] = 1
         return slots
 
-    def incref(self, slots: np.ndarray) -> None:
-        """Add one reference per listed slot (repeats add several); every slot must be allocated."""
-        slots = self._check(slots, "incref")
-        np.add.at(self._refs, slots, 1)
+    def give(self, slots: np.ndarray) -> None:
+        self._free[self._n_free : self._n_free + slots.size] = slots
+        self._n_free += slots.size
 
-    def decref(self, slots: np.ndarray) -> None:
-        """Drop one reference per listed slot; slots reaching zero go back to the free list."""
-        slots = self._check(slots, "decref")
-        np.subtract.at(self._refs, slots, 1)
-        if (self._refs[slots] < 0).any():
-            bad = int(slots[self._refs[slots] < 0][0])
-            np.add.at(self._refs, slots, 1)
-            raise PoolError(f"slots: slot {bad} released more often than referenced")
-        freed = np.unique(slots[self._refs[slots] == 0])
-        if freed.size:
-            self._free[self._n_free : self._n_free + freed.size] = freed
-            self._n_free += freed.size
-            if self._on_free is not None:
-                self._on_free(freed)
+
+_FREE, _EVICTABLE, _PROTECTED = 0, 1, 2
+
+
+class SlotPool:
+    """Per-slot request and tree reference counts over a free list; ``on_free`` sees every batch
+    of slots freed."""
+
+    def __init__(self, size: int, on_free: Callable[[np.ndarray], None] | None = None,
+                 free_list: FreeList | None = None) -> None:
+        if type(size) is not int or size < 1:
+            raise PoolError(f"size: {size!r} is not a positive int")
+        self.size = size
+        self._refs = np.zeros(size + 1, dtype=np.int64)
+        self._tree = np.zeros(size + 1, dtype=np.int64)
+        self._free_list: FreeList = ArrayFreeList(size) if free_list is None else free_list
+        self._on_free = on_free
+        self._counts = np.zeros(3, dtype=np.int64)
+
+    @property
+    def n_free(self) -> int:
+        return self._free_list.n_free
+
+    @property
+    def n_evictable(self) -> int:
+        """Slots only the tree holds."""
+        return int(self._counts[_EVICTABLE])
+
+    @property
+    def n_protected(self) -> int:
+        """Slots some request holds."""
+        return int(self._counts[_PROTECTED])
+
+    @property
+    def n_held(self) -> int:
+        return self.n_evictable + self.n_protected
+
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` fresh slots, each with one request reference (owned by the caller)."""
+        if type(n) is not int or n < 0:
+            raise PoolError(f"n: cannot allocate {n!r} slots")
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        slots = self._free_list.take(n)
+        if slots is None:
+            raise PoolExhausted(f"need {n} slots, {self.n_free} free of {self.size}")
+        slots = np.asarray(slots, dtype=np.int64)
+        self._adopt(slots)
+        return slots
+
+    def adopt(self, slots: np.ndarray) -> None:
+        """Take slots the engine allocated itself (off the free list, unheld) as request-owned."""
+        slots = self._in_range(slots, "adopt")
+        if slots.size == 0:
+            return
+        if np.unique(slots).size != slots.size:
+            raise PoolError("slots: adopt lists a slot twice")
+        held = (self._refs[slots] + self._tree[slots]) > 0
+        if held.any():
+            raise PoolError(f"slots: adopt of slot {int(slots[held][0])}, which is already held")
+        self._adopt(slots)
+
+    def incref(self, slots: np.ndarray) -> None:
+        """Add one request reference per listed slot (repeats add several); slots must be held."""
+        self._change(self._held(slots, "incref"), self._refs, 1)
+
+    def decref(self, slots: np.ndarray) -> int:
+        """Drop one request reference per listed slot; returns how many slots were freed."""
+        return self._change(self._held(slots, "decref"), self._refs, -1)
+
+    def tree_incref(self, slots: np.ndarray) -> None:
+        """The tree takes one reference per listed slot (each must be held already)."""
+        self._change(self._held(slots, "tree_incref"), self._tree, 1)
+
+    def tree_decref(self, slots: np.ndarray) -> int:
+        """The tree drops one reference per listed slot; returns how many slots were freed."""
+        return self._change(self._held(slots, "tree_decref"), self._tree, -1)
 
     def refcount(self, slots: np.ndarray) -> np.ndarray:
+        slots = np.asarray(slots, dtype=np.int64)
+        return self._refs[slots] + self._tree[slots]
+
+    def request_refs(self, slots: np.ndarray) -> np.ndarray:
         return self._refs[np.asarray(slots, dtype=np.int64)]
 
-    def _check(self, slots: np.ndarray, op: str) -> np.ndarray:
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    def _adopt(self, slots: np.ndarray) -> None:
+        self._refs[slots] = 1
+        self._counts[_PROTECTED] += slots.size
+
+    def _state(self, slots: np.ndarray) -> np.ndarray:
+        return np.where(self._refs[slots] > 0, _PROTECTED, np.where(self._tree[slots] > 0, _EVICTABLE, _FREE))
+
+    def _change(self, slots: np.ndarray, refs: np.ndarray, delta: int) -> int:
         if slots.size == 0:
-            return slots
+            return 0
+        touched = np.unique(slots)
+        before = self._state(touched)
+        np.add.at(refs, slots, delta)
+        if (refs[touched] < 0).any():
+            bad = int(touched[refs[touched] < 0][0])
+            np.add.at(refs, slots, -delta)
+            raise PoolError(f"slots: slot {bad} released more often than referenced")
+        after = self._state(touched)
+        self._counts += np.bincount(after, minlength=3) - np.bincount(before, minlength=3)
+        freed = touched[after == _FREE]
+        if freed.size:
+            self._free_list.give(freed)
+            if self._on_free is not None:
+                self._on_free(freed)
+        return int(freed.size)
+
+    def _in_range(self, slots: np.ndarray, op: str) -> np.ndarray:
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         out_of_range = (slots < 1) | (slots > self.size)
         if out_of_range.any():
             raise PoolError(f"slots: {op} of slot {int(slots[out_of_range][0])} outside 1..{self.size}")
-        unallocated = self._refs[slots] == 0
-        if unallocated.any():
-            raise PoolError(f"slots: {op} of slot {int(slots[unallocated][0])}, which is free")
+        return slots
+
+    def _held(self, slots: np.ndarray, op: str) -> np.ndarray:
+        slots = self._in_range(slots, op)
+        free = (self._refs[slots] + self._tree[slots]) == 0
+        if free.any():
+            raise PoolError(f"slots: {op} of slot {int(slots[free][0])}, which is free")
         return slots

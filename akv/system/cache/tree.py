@@ -64,6 +64,7 @@ class RadixTree:
         self._n_nodes = 0
         self._leaves: list[tuple[int, int, TreeNode]] = []
         self._stale: list[tuple[int, int, TreeNode]] = []
+        self.epoch = 0
 
     @property
     def n_nodes(self) -> int:
@@ -129,6 +130,7 @@ class RadixTree:
         rec_terminal[key.token_record] = terminal
         node = self._root(key.namespace)
         stamp = self._tick()
+        self.epoch += 1
         i = 0
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
@@ -146,8 +148,9 @@ class RadixTree:
             node = child
 
     def evict(self, n_slots: int) -> int:
-        """Free at least ``n_slots`` slots if possible: stale versions first, then LRU leaves.
-        Only versions nobody but the tree references are released. Returns the slots freed."""
+        """Free at least ``n_slots`` slots if possible: stale versions first, then LRU leaves, then
+        (LRU) versions inside paths that requests pin below them, leaving holes a later request
+        recomputes. Only versions no request references are released. Returns the slots freed."""
         freed = 0
         while freed < n_slots and self._stale:
             node = self._pop_valid(self._stale)
@@ -157,6 +160,14 @@ class RadixTree:
             node = self._pop_valid(self._leaves)
             if node is not None and not node.children:
                 freed += self._release(node, np.ones_like(node.live))
+        if freed < n_slots:
+            for node in sorted(self._nodes(), key=lambda n: (n.last_access, n.uid)):
+                if freed >= n_slots:
+                    break
+                if node.attached:
+                    freed += self._release(node, np.ones_like(node.live))
+        if freed:
+            self.epoch += 1
         return freed
 
     def flush(self) -> None:
@@ -164,12 +175,13 @@ class RadixTree:
         for node in self._nodes():
             held = node.slots[node.slots >= 0]
             if held.size:
-                self.pool.decref(held)
+                self.pool.tree_decref(held)
             node.parent = None
         self._roots.clear()
         self._leaves.clear()
         self._stale.clear()
         self._n_nodes = 0
+        self.epoch += 1
 
     def _root(self, namespace: str) -> TreeNode:
         root = self._roots.get(namespace)
@@ -248,16 +260,16 @@ class RadixTree:
             cols = free[rows].argmax(axis=1)
             node.slots[rows, cols] = slots[rows, j]
             node.positions[rows, cols] = positions[rows, j]
-            self.pool.incref(slots[rows, j])
+            self.pool.tree_incref(slots[rows, j])
         node.live = (node.slots >= 0) & (node.positions == terminal[:, None])
 
     def _release(self, node: TreeNode, which: np.ndarray) -> int:
         held = (node.slots >= 0) & which
         if held.any():
-            held &= self.pool.refcount(np.where(held, node.slots, 0)) == 1
-        count = int(held.sum())
-        if count:
-            self.pool.decref(node.slots[held])
+            held &= self.pool.request_refs(np.where(held, node.slots, 0)) == 0
+        count = 0
+        if held.any():
+            count = self.pool.tree_decref(node.slots[held])
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
             node.live = node.live & ~held

@@ -7,10 +7,15 @@ import numpy as np
 from akv.system.cache.plan import Usage
 
 
-def count_usage(n_prompt: int, resident: np.ndarray, computed: np.ndarray, read: np.ndarray, rerotated: np.ndarray) -> Usage:
+def count_usage(n_prompt: int, resident: np.ndarray, computed: np.ndarray, read: np.ndarray, rerotated: np.ndarray,
+                dropped: np.ndarray) -> Usage:
     """Counts over prompt tokens. ``resident``: KV came from the tree (not recomputed); ``read``: some
-    query or generation reads it; ``rerotated``: at least one read went through a re-rotated copy."""
-    for name, mask in (("resident", resident), ("computed", computed), ("read", read), ("rerotated", rerotated)):
+    query or generation reads it; ``rerotated``: at least one read went through a re-rotated copy;
+    ``dropped``: a Drop hides it, so every query after that Drop (generation's at least) skips it,
+    whether this request computed it first or not."""
+    masks = (("resident", resident), ("computed", computed), ("read", read), ("rerotated", rerotated),
+             ("dropped", dropped))
+    for name, mask in masks:
         if mask.shape[0] < n_prompt:
             raise ValueError(f"{name}: mask covers {mask.shape[0]} tokens, fewer than the {n_prompt} prompt tokens")
     resident, computed = resident[:n_prompt], computed[:n_prompt]
@@ -19,5 +24,5 @@ def count_usage(n_prompt: int, resident: np.ndarray, computed: np.ndarray, read:
     return Usage(
         cached_tokens=int((reused & ~rerotated).sum()),
         repos_tokens=int((reused & rerotated).sum()),
-        drop_skipped_tokens=int((~computed & ~read).sum()),
+        drop_skipped_tokens=int(dropped[:n_prompt].sum()),
     )
