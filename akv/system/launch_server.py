@@ -1,8 +1,9 @@
 """Start the patched SGLang server with the settings AKV's first configuration needs.
 
 ``python -m akv.system.launch_server [SGLang flags]`` checks that the installed SGLang is the AKV
-build, adds ``--page-size 1`` and ``--attention-backend triton`` unless given, refuses flags that
-contradict them, and hands every flag to SGLang's own launcher.
+build, adds ``--page-size 1``, ``--attention-backend triton`` and ``--radix-cache-backend akv``
+unless given, refuses flags that contradict them (and a disabled radix cache or chunked prefill),
+and hands every flag to SGLang's own launcher.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from akv.system.adapter.serving import REQUIRED_ATTENTION_BACKEND, REQUIRED_PAGE_SIZE
+from akv.system.adapter.serving import REQUIRED_ATTENTION_BACKEND, REQUIRED_PAGE_SIZE, REQUIRED_RADIX_CACHE_BACKEND
 
 PATCHED_SUFFIX = "+akv"
 BUILD_COMMAND = "python -m akv.system._build --out dist --install"
@@ -22,6 +23,7 @@ BUILD_COMMAND = "python -m akv.system._build --out dist --install"
 AKV_DEFAULTS: dict[str, str] = {
     "--page-size": str(REQUIRED_PAGE_SIZE),
     "--attention-backend": REQUIRED_ATTENTION_BACKEND,
+    "--radix-cache-backend": REQUIRED_RADIX_CACHE_BACKEND,
 }
 """Flags added when absent, with the only value AKV accepts."""
 
@@ -100,12 +102,19 @@ def _require(flag: str, value: Any) -> None:
 
 
 def check_server_args(server_args: Any) -> None:
-    """Check SGLang's parsed arguments (catches abbreviated flags and ``--config`` files)."""
+    """Check SGLang's parsed arguments (catches abbreviated flags and ``--config`` files): the
+    required values, chunked prefill on (segments run as chunked-prefill rounds), a radix cache."""
     for flag, field in _SERVER_ARGS_FIELDS.items():
         value = getattr(server_args, field)
         if value is None and flag not in AKV_DEFAULTS:
             continue
         _require(flag, value)
+    chunk = server_args.chunked_prefill_size
+    if chunk is not None and chunk <= 0:
+        raise LaunchError(f"--chunked-prefill-size {chunk} conflicts with AKV: context requests run as "
+                          "chunked-prefill rounds (leave the flag out or give a positive size)")
+    if server_args.disable_radix_cache:
+        raise LaunchError("--disable-radix-cache conflicts with AKV: every request is served from its radix cache")
 
 
 def main(argv: list[str] | None = None) -> int:

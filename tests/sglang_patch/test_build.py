@@ -18,6 +18,17 @@ PATCHED_FILES = {
     "sglang/_version.py",
     "sglang/srt/entrypoints/openai/protocol.py",
     "sglang/srt/entrypoints/openai/serving_chat.py",
+    "sglang/srt/layers/attention/triton_backend.py",
+    "sglang/srt/managers/io_struct.py",
+    "sglang/srt/managers/schedule_batch.py",
+    "sglang/srt/managers/schedule_policy.py",
+    "sglang/srt/managers/scheduler.py",
+    "sglang/srt/managers/scheduler_components/output_streamer.py",
+    "sglang/srt/managers/tokenizer_manager.py",
+    "sglang/srt/mem_cache/registry.py",
+    "sglang/srt/model_executor/forward_batch_info.py",
+    "sglang/srt/model_executor/model_runner.py",
+    "sglang/srt/model_executor/runner/decode_cuda_graph_runner.py",
 }
 
 

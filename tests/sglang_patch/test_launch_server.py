@@ -16,15 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_are_added_and_other_flags_pass_through_in_order() -> None:
     argv = ["--model-path", "/m", "--port", "30001", "--tool-call-parser", "qwen"]
-    assert ls.apply_akv_defaults(argv) == argv + ["--page-size", "1", "--attention-backend", "triton"]
+    assert ls.apply_akv_defaults(argv) == argv + ["--page-size", "1", "--attention-backend", "triton",
+                                                  "--radix-cache-backend", "akv"]
 
 
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--page-size", "1", "--attention-backend", "triton"],
-        ["--page-size=1", "--attention-backend=triton"],
-        ["--attention-backend", "triton", "--decode-attention-backend", "triton", "--page-size", "1"],
+        ["--page-size", "1", "--attention-backend", "triton", "--radix-cache-backend", "akv"],
+        ["--page-size=1", "--attention-backend=triton", "--radix-cache-backend=akv"],
+        ["--attention-backend", "triton", "--decode-attention-backend", "triton", "--page-size", "1",
+         "--radix-cache-backend", "akv"],
     ],
 )
 def test_agreeing_flags_are_kept_once(argv: list[str]) -> None:
@@ -42,6 +44,7 @@ def test_agreeing_flags_are_kept_once(argv: list[str]) -> None:
         (["--prefill-attention-backend", "fa3"], "--prefill-attention-backend", "fa3"),
         (["--decode-attention-backend", "flashinfer"], "--decode-attention-backend", "flashinfer"),
         (["--page-size", "1", "--page-size", "4"], "--page-size", "4"),
+        (["--radix-cache-backend", "lru"], "--radix-cache-backend", "lru"),
     ],
 )
 def test_conflicting_flags_are_refused_naming_flag_and_value(argv: list[str], flag: str, value: str) -> None:
@@ -58,7 +61,8 @@ def test_flag_without_value_is_refused(argv: list[str]) -> None:
 
 def test_parsed_server_args_are_checked_too() -> None:
     ok = SimpleNamespace(page_size=1, attention_backend="triton", prefill_attention_backend=None,
-                         decode_attention_backend="triton")
+                         decode_attention_backend="triton", radix_cache_backend="akv", chunked_prefill_size=None,
+                         disable_radix_cache=False)
     ls.check_server_args(ok)
     for field, value, flag in [
         ("page_size", 4, "--page-size"),
@@ -69,6 +73,12 @@ def test_parsed_server_args_are_checked_too() -> None:
         bad = SimpleNamespace(**{**vars(ok), field: value})
         with pytest.raises(ls.LaunchError, match=f"{flag} {value!r} conflicts"):
             ls.check_server_args(bad)
+    for field, value, message in [
+        ("chunked_prefill_size", -1, "--chunked-prefill-size -1 conflicts with AKV"),
+        ("disable_radix_cache", True, "--disable-radix-cache conflicts with AKV"),
+    ]:
+        with pytest.raises(ls.LaunchError, match=message):
+            ls.check_server_args(SimpleNamespace(**{**vars(ok), field: value}))
 
 
 @pytest.mark.parametrize(

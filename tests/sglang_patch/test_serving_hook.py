@@ -15,7 +15,9 @@ from akv.system.context.rules import ContextRules, Drop
 
 MESSAGES = [{"role": "user", "content": str(i)} for i in range(4)]
 GOOD_SERVER = {"page_size": 1, "attention_backend": "triton", "prefill_attention_backend": None,
-               "decode_attention_backend": None}
+               "decode_attention_backend": None, "radix_cache_backend": "akv", "speculative_algorithm": None,
+               "enable_hierarchical_cache": False, "enable_lora": None, "enable_mixed_chunk": False,
+               "enable_dp_attention": False, "disable_radix_cache": False, "pp_size": 1}
 
 
 def _serving(chat_template_name: str | None = None, **server: object) -> SimpleNamespace:
@@ -66,6 +68,13 @@ def test_unsupported_request_modes_are_refused(request_fields: dict, multimodal:
         (None, {"attention_backend": "flashinfer"}, "server configuration: attention_backend 'flashinfer'"),
         (None, {"decode_attention_backend": "fa3"}, "server configuration: decode_attention_backend 'fa3'"),
         (None, {"prefill_attention_backend": "fa3"}, "server configuration: prefill_attention_backend 'fa3'"),
+        (None, {"radix_cache_backend": None}, "server configuration: radix_cache_backend None cannot execute"),
+        (None, {"speculative_algorithm": "EAGLE"}, r"server configuration: speculative_algorithm \(speculative"),
+        (None, {"enable_lora": True}, r"server configuration: enable_lora \(LoRA\)"),
+        (None, {"enable_hierarchical_cache": True}, r"server configuration: enable_hierarchical_cache"),
+        (None, {"enable_mixed_chunk": True}, r"server configuration: enable_mixed_chunk"),
+        (None, {"enable_dp_attention": True}, r"server configuration: enable_dp_attention"),
+        (None, {"pp_size": 2}, r"server configuration: pp_size 2"),
     ],
 )
 def test_unsupported_server_setups_are_refused(template: str | None, server: dict, message: str) -> None:

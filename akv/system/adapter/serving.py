@@ -3,19 +3,26 @@ program from the very prompt SGLang rendered."""
 
 from __future__ import annotations
 
-import functools
-import logging
 from typing import Any
 
 from akv.system.adapter.protocol import request_rules
 from akv.system.context.program import ContextProgram
 from akv.system.context.request import compile_request
 from akv.system.context.rules import ContextRules, is_plain_request
-
-logger = logging.getLogger(__name__)
+from akv.system.context.wire import encode_program
 
 REQUIRED_PAGE_SIZE = 1
 REQUIRED_ATTENTION_BACKEND = "triton"
+REQUIRED_RADIX_CACHE_BACKEND = "akv"
+
+_UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("speculative_algorithm", "speculative decoding"),
+    ("enable_hierarchical_cache", "the hierarchical cache"),
+    ("enable_lora", "LoRA"),
+    ("enable_mixed_chunk", "mixed chunked prefill"),
+    ("enable_dp_attention", "DP attention"),
+    ("disable_radix_cache", "a disabled radix cache"),
+)
 
 
 class UnsupportedContextRequest(ValueError):
@@ -34,8 +41,12 @@ def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> 
     _check_request_mode(request, is_multimodal)
     _check_renderer(serving.template_manager.chat_template_name, serving.chat_encoding_spec)
     _check_server(serving.tokenizer_manager.server_args)
-    _warn_not_executed_once()
     return rules
+
+
+def encode_context_program(program: ContextProgram | None) -> bytes | None:
+    """The program's wire form for the scheduler (None for a plain request)."""
+    return None if program is None else encode_program(program)
 
 
 def compile_context_program(
@@ -98,6 +109,20 @@ def _check_renderer(chat_template_name: str | None, chat_encoding_spec: str | No
 
 
 def _check_server(server_args: Any) -> None:
+    for name, what in _UNSUPPORTED_OPTIONS:
+        if getattr(server_args, name, None):
+            raise UnsupportedContextRequest(
+                f"server configuration: {name} ({what}) is not supported with drop_message/reposition"
+            )
+    if getattr(server_args, "pp_size", 1) != 1:
+        raise UnsupportedContextRequest(
+            f"server configuration: pp_size {server_args.pp_size!r} is not supported with drop_message/reposition"
+        )
+    if server_args.radix_cache_backend != REQUIRED_RADIX_CACHE_BACKEND:
+        raise UnsupportedContextRequest(
+            f"server configuration: radix_cache_backend {server_args.radix_cache_backend!r} cannot execute "
+            f"drop_message/reposition (needs {REQUIRED_RADIX_CACHE_BACKEND!r}; start with python -m akv.system.launch_server)"
+        )
     if server_args.page_size != REQUIRED_PAGE_SIZE:
         raise UnsupportedContextRequest(
             f"server configuration: page_size {server_args.page_size!r} is not supported with "
@@ -110,11 +135,3 @@ def _check_server(server_args: Any) -> None:
                 f"server configuration: {name} {value!r} is not supported with drop_message/reposition "
                 f"(needs {REQUIRED_ATTENTION_BACKEND!r}; start with python -m akv.system.launch_server)"
             )
-
-
-@functools.cache
-def _warn_not_executed_once() -> None:
-    logger.warning(
-        "AKV: drop_message/reposition are validated and compiled but not yet executed on the KV cache; "
-        "context requests are served like plain ones until the scheduler integration lands"
-    )

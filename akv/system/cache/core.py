@@ -88,10 +88,11 @@ class CacheCore:
     def epoch(self) -> int:
         return self.tree.epoch
 
-    def match(self, program: ContextProgram, namespace: str = "") -> Draft:
-        """Match ``program`` against the tree and plan it; takes nothing."""
+    def match(self, program: ContextProgram, namespace: str = "", *, cold: bool = False) -> Draft:
+        """Match ``program`` against the tree and plan it; takes nothing. ``cold`` plans as if the
+        tree were empty (everything recomputed)."""
         key = program_key(program, namespace)
-        match = self.tree.match(key)
+        match = self.tree.match(key) if not cold else self.tree.match(key.prefix(0))
         return Draft(program, key, match, plan_occurrences(program, match), self.tree.epoch)
 
     def commit(self, draft: Draft) -> ActiveRequest:

@@ -1,0 +1,168 @@
+"""One context request's AKV state inside SGLang's scheduler (held as ``Req.akv``).
+
+SGLang sees the request as its program's tokens, one ``req_to_token`` column per token. Segments of
+the plan are chunked-prefill rounds: a round over columns ``[lo, hi)`` of segment ``s`` gets, as its
+prefix, the slots ``s`` reads for the columns before ``lo`` (zeros where nothing is visible, so the
+row always holds what the running round reads) and writes its births into ``[lo, hi)``. Generation
+reads the terminal view, written into the row once before the first decode step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.system.cache.core import ActiveRequest, CacheCore, Draft
+from akv.system.cache.occurrence import resolve_births
+from akv.system.cache.plan import CopyJob, Segment, Usage
+from akv.system.context.compiler import append_generated
+from akv.system.context.program import ContextProgram
+
+VISIBLE_ALWAYS = np.iinfo(np.int32).max
+"""``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
+
+
+class AkvRequest:
+    """Program, plan and progress of one context request; also its radix-cache lock handle."""
+
+    def __init__(self, program: ContextProgram, namespace: str = "") -> None:
+        self.base = program
+        self.program = program
+        self.namespace = namespace
+        self.draft: Draft | None = None
+        self._cold = False
+        self.active: ActiveRequest | None = None
+        self.first_usage: Usage | None = None
+        self.locks = 0
+        self.segment = 0
+        self.terminal_written = False
+
+    # ---- planning -------------------------------------------------------------------------------
+
+    def plan_draft(self, core: CacheCore, *, cold: bool = False) -> Draft:
+        """The draft against the tree as it is now (recomputed only when the tree changed);
+        ``cold`` plans every token as recomputed (SGLang's forced-miss test mode)."""
+        if self.draft is None or self.draft.epoch != core.epoch or cold != self._cold:
+            self.draft = core.match(self.program, self.namespace, cold=cold)
+            self._cold = cold
+        return self.draft
+
+    @property
+    def first_start(self) -> int:
+        """Columns SGLang treats as the matched prefix before the first round."""
+        assert self.draft is not None
+        return self.draft.plan.plan.segments[0].start
+
+    def plan_draft_segments(self) -> tuple[Segment, ...]:
+        assert self.draft is not None
+        return self.draft.plan.plan.segments
+
+    def needs_rounds(self) -> bool:
+        """More than one scheduler round (segment) even without a chunk-size limit."""
+        return self.draft is not None and len(self.plan_draft_segments()) > 1
+
+    def extra_budget(self) -> int:
+        """Slots beyond SGLang's own extend count that admission must reserve: the copy slots."""
+        return 0 if self.draft is None else self.draft.n_copy_slots
+
+    def commit(self, core: CacheCore) -> None:
+        """Lock the borrowed versions and allocate the copy slots (once)."""
+        if self.active is not None:
+            return
+        draft = self.plan_draft(core, cold=self._cold)
+        self.active = core.commit(draft)
+        self.segment = 0
+        self.terminal_written = False
+        if self.first_usage is None:
+            self.first_usage = self.active.plan.usage
+
+    def release(self, core: CacheCore, generated_ids: np.ndarray | None = None,
+                generated_slots: np.ndarray | None = None, *, publish: bool) -> None:
+        """Finish (publish) or abort the committed request; the caller owns ``generated_slots``."""
+        active, self.active, self.draft, self.locks = self.active, None, None, 0
+        if active is None:
+            return
+        if publish:
+            core.finish(active, generated_ids, generated_slots)
+        else:
+            core.abort(active)
+
+    def readmit(self, output_ids: list[int]) -> None:
+        """After a retraction: the program grows by the tokens generated so far (usage stays the first)."""
+        self.program = append_generated(self.base, np.asarray(output_ids, dtype=np.int64))
+        self.draft = None
+
+    # ---- rounds ---------------------------------------------------------------------------------
+
+    def first_round_start(self) -> int:
+        return self.plan_segments[0].start
+
+    @property
+    def plan_segments(self) -> tuple[Segment, ...]:
+        assert self.active is not None
+        return self.active.plan.segments
+
+    def current(self, lo: int) -> Segment:
+        """The segment a round starting at column ``lo`` belongs to (advancing past finished ones)."""
+        segments = self.plan_segments
+        while segments[self.segment].end <= lo:
+            self.segment += 1
+        segment = segments[self.segment]
+        if lo < segment.start:
+            raise RuntimeError(f"AKV: round at column {lo} is before segment [{segment.start}, {segment.end})")
+        return segment
+
+    def next_start(self, done: int) -> int:
+        """Where the next round starts after columns ``< done`` ran: inside the same segment, or at
+        the next segment's start."""
+        segments = self.plan_segments
+        i = self.segment
+        if done < segments[i].end:
+            return done
+        return segments[i + 1].start if i + 1 < len(segments) else self.program.n_tokens
+
+    def prefix_view(self, lo: int) -> np.ndarray:
+        """Slots of columns ``[0, lo)`` as segment ``current(lo)`` reads them (0 where unread)."""
+        assert self.active is not None
+        segment = self.current(lo)
+        view = np.zeros(lo, dtype=np.int64)
+        view[segment.prefix_tokens] = self.resolve(segment.prefix_slots)
+        view[segment.start : lo] = self.active.births[segment.start : lo]
+        return view
+
+    def round_positions(self, lo: int, hi: int) -> np.ndarray:
+        segment = self.current(lo)
+        return segment.positions[lo - segment.start : hi - segment.start]
+
+    def round_copies(self, lo: int) -> CopyJob | None:
+        """The segment's copy jobs, due before its first round."""
+        segment = self.current(lo)
+        return self._real(segment.copies) if lo == segment.start and segment.copies.size else None
+
+    def bind(self, core: CacheCore, lo: int, slots: np.ndarray) -> None:
+        assert self.active is not None
+        core.bind_births(self.active, np.arange(lo, lo + slots.size, dtype=np.int64), slots)
+
+    def terminal(self) -> tuple[np.ndarray, np.ndarray, CopyJob | None]:
+        """Columns and slots generation reads, and the copies due before the first decode step."""
+        assert self.active is not None
+        view = self.active.plan.terminal
+        copies = self._real(view.copies) if view.copies.size else None
+        return view.tokens, self.resolve(view.slots), copies
+
+    def decode_offset(self) -> int:
+        """Position of column ``c >= n_tokens`` is ``c + decode_offset()``."""
+        return self.program.next_position - self.program.n_tokens
+
+    def visibility_row(self, width: int) -> np.ndarray:
+        """``visible_until`` per column (kept and generated columns: :data:`VISIBLE_ALWAYS`)."""
+        row = np.full(width, VISIBLE_ALWAYS, dtype=np.int64)
+        n = self.program.n_tokens
+        row[:n] = np.where(self.program.keep, VISIBLE_ALWAYS, self.program.visible_until)
+        return row
+
+    def resolve(self, slots: np.ndarray) -> np.ndarray:
+        assert self.active is not None
+        return resolve_births(slots, self.active.births)
+
+    def _real(self, job: CopyJob) -> CopyJob:
+        return CopyJob(job.tokens, self.resolve(job.src), job.dst, job.old_positions, job.new_positions)

@@ -1,0 +1,231 @@
+"""``--radix-cache-backend akv``: every request, plain or context, is served from the cache core's
+one radix tree over SGLang's KV pool, whose allocator stays the only free list.
+
+- Plain requests match the longest prefix of tokens resident at their own positions; SGLang
+  computes the rest as usual and the KV is published at the end (and at every chunk) like stock.
+- Context requests (``Req.akv``, see :mod:`akv.system.adapter.context_request`) match and plan
+  against the same tree, commit when SGLang locks them, and publish when they finish.
+
+A lock handle (``req.last_node``) is the :class:`AkvRequest` itself or a :class:`PlainLock` over the
+borrowed prefix slots; SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` take and drop its references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from akv.system.adapter.batch_metadata import VisibilityTable
+from akv.system.adapter.context_request import AkvRequest
+from akv.system.cache.core import CacheCore
+from akv.system.cache.keys import plain_key
+from akv.system.cache.pool import SlotPool
+from sglang.srt.environ import envs
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+
+class AllocatorFreeList:
+    """The pool's free list is SGLang's token allocator (slot tensors on the KV device)."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+
+    @property
+    def n_free(self) -> int:
+        return int(self.allocator.available_size())
+
+    def take(self, n: int) -> np.ndarray | None:
+        slots = self.allocator.alloc(n)
+        return None if slots is None else slots.cpu().numpy().astype(np.int64)
+
+    def give(self, slots: np.ndarray) -> None:
+        self.allocator.free(torch.from_numpy(slots).to(self.allocator.device))
+
+
+class RootNode:
+    """The handle of an empty match: locking it holds nothing."""
+
+
+class PlainLock:
+    """A plain request's borrowed prefix: one request reference per slot while locked."""
+
+    def __init__(self, slots: np.ndarray) -> None:
+        self.slots = slots
+        self.locks = 0
+
+
+class AkvRadixCache(BasePrefixCache):
+    """The cache core behind SGLang's prefix-cache interface (page size 1)."""
+
+    def __init__(self, params: CacheInitParams) -> None:
+        if params.page_size != 1:
+            raise ValueError(f"page_size: {params.page_size} is not supported by the AKV cache (needs 1)")
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = 1
+        self.disable = False
+        self.device = self.token_to_kv_pool_allocator.device
+        allocator = self.token_to_kv_pool_allocator
+        self.core = CacheCore(SlotPool(allocator.size, free_list=AllocatorFreeList(allocator)))
+        self.root_node = RootNode()
+        self.visibility = VisibilityTable(self.req_to_token_pool.req_to_token)
+
+    # ---- matching and locking -------------------------------------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        state = getattr(params.req, "akv", None)
+        if state is not None:
+            return self._match_context(params.req, state)
+        key = params.key
+        ids = np.frombuffer(key.raw_token_ids(), dtype=np.int64) if len(key) else np.zeros(0, np.int64)
+        slots = self._resident_prefix(ids, key.extra_key or "")
+        if slots.size == 0:
+            return self._result(slots, self.root_node)
+        return self._result(slots, PlainLock(slots))
+
+    def _match_context(self, req: Any, state: AkvRequest) -> MatchResult:
+        generated = len(req.output_ids)
+        if state.active is None and generated > state.program.n_tokens - state.base.n_tokens:
+            state.readmit(list(req.output_ids))
+        if state.active is None:
+            state.plan_draft(self.core, cold=bool(envs.SGLANG_RADIX_FORCE_MISS.get()))
+        return self._result(np.zeros(state.first_start, dtype=np.int64), state)
+
+    def _resident_prefix(self, ids: np.ndarray, namespace: str) -> np.ndarray:
+        match = self.core.tree.match(plain_key(ids, namespace))
+        exact = (match.slots >= 0) & (match.positions == np.arange(match.n_tokens)[:, None])
+        found = exact.any(axis=1)
+        n = int(np.argmin(found)) if not found.all() else found.size
+        return match.slots[np.arange(n), exact[:n].argmax(axis=1)].astype(np.int64)
+
+    def _result(self, slots: np.ndarray, node: Any) -> MatchResult:
+        indices = torch.from_numpy(slots).to(self.device)
+        return MatchResult(device_indices=indices, last_device_node=node, last_host_node=node, best_match_node=node)
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if isinstance(node, AkvRequest):
+            node.locks += 1
+            if node.locks == 1:
+                node.commit(self.core)
+        elif isinstance(node, PlainLock):
+            node.locks += 1
+            if node.locks == 1:
+                self.core.pool.incref(node.slots)
+        return IncLockRefResult(delta=0)
+
+    def dec_lock_ref(self, node: Any, params: Any = None) -> DecLockRefResult:
+        if isinstance(node, AkvRequest) and node.locks > 0:
+            node.locks -= 1
+            if node.locks == 0:
+                node.release(self.core, publish=False)
+        elif isinstance(node, PlainLock) and node.locks > 0:
+            node.locks -= 1
+            if node.locks == 0:
+                self.core.pool.decref(node.slots)
+        return DecLockRefResult(delta=0)
+
+    # ---- publication ----------------------------------------------------------------------------
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        state = getattr(req, "akv", None)
+        if state is None:
+            self._cache_unfinished_plain(req)
+        elif chunked:
+            start = state.next_start(req.extend_range.end)
+            req.prefix_indices = torch.from_numpy(state.prefix_view(start)).to(self.device)
+            req.cache_protected_len = start
+        elif not state.terminal_written:
+            tokens, slots, _ = state.terminal()
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            row[torch.from_numpy(tokens).to(row.device)] = torch.from_numpy(slots).to(row.device, row.dtype)
+            state.terminal_written = True
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
+        state = getattr(req, "akv", None)
+        row = self._row(req, kv_len_to_handle)
+        if state is None:
+            self._publish_plain(req, row, is_insert)
+            self.dec_lock_ref(req.last_node)
+            return
+        n = state.program.n_tokens
+        generated = row[n:]
+        done = n - state.base.n_tokens
+        ids = np.asarray(list(req.output_ids)[done : done + generated.size], dtype=np.int64)
+        self.core.pool.adopt(generated)
+        if is_insert and state.active is not None:
+            state.release(self.core, ids, generated, publish=True)
+        else:
+            state.release(self.core, publish=False)
+            self.core.pool.decref(generated)
+
+    def _cache_unfinished_plain(self, req: Any) -> None:
+        ids = req.get_fill_ids()
+        row = self._row(req, len(ids))
+        self._publish_plain(req, row, True)
+        slots = self._resident_prefix(np.asarray(ids, dtype=np.int64), req.extra_key or "")
+        assert slots.size == row.size, (slots.size, row.size)
+        lock = PlainLock(slots)
+        self.inc_lock_ref(lock)
+        self.dec_lock_ref(req.last_node)
+        start = req.cache_protected_len
+        fresh = torch.from_numpy(slots[start:]).to(self.device)
+        self.req_to_token_pool.write((req.req_pool_idx, slice(start, slots.size)), fresh.to(torch.int32))
+        req.prefix_indices = torch.from_numpy(slots).to(self.device)
+        req.cache_protected_len = slots.size
+        req.last_node = lock
+
+    def _publish_plain(self, req: Any, row: np.ndarray, is_insert: bool) -> None:
+        """Insert a plain request's tokens with their slots; its own slots go to the tree or back."""
+        own = row[req.cache_protected_len :]
+        self.core.pool.adopt(own)
+        if is_insert and row.size:
+            ids = np.asarray((req.origin_input_ids + req.output_ids)[: row.size], dtype=np.int64)
+            positions = np.arange(row.size, dtype=np.int64)
+            self.core.tree.insert(plain_key(ids, req.extra_key or ""), row[:, None], positions[:, None], positions)
+        self.core.pool.decref(own)
+
+    def _row(self, req: Any, length: int) -> np.ndarray:
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
+        return row.cpu().numpy().astype(np.int64)
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        return EvictResult(num_tokens_evicted=self.core.tree.evict(params.num_tokens))
+
+    def evictable_size(self) -> int:
+        return self.core.pool.n_evictable
+
+    def full_evictable_size(self) -> int:
+        return self.core.pool.n_evictable
+
+    def protected_size(self) -> int:
+        return self.core.pool.n_protected
+
+    def full_protected_size(self) -> int:
+        return self.core.pool.n_protected
+
+    def total_size(self) -> int:
+        return self.core.pool.n_held
+
+    def reset(self) -> None:
+        self.core.flush()
+
+    def pretty_print(self) -> None:
+        print(f"AKV tree {self.core.tree.stats()}, evictable {self.evictable_size()}, protected {self.protected_size()}")
+
+
+def build(ctx: Any) -> AkvRadixCache:
+    """Factory for SGLang's radix-cache registry."""
+    return AkvRadixCache(ctx.params)

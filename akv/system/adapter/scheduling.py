@@ -1,0 +1,61 @@
+"""Scheduler hooks: the program reaches ``Req``, rounds stop at segment ends, admission reserves
+copy slots, and batches with context requests run without overlap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from akv.system.adapter.context_request import AkvRequest
+from akv.system.context.wire import WireError, decode_program
+
+BACKEND = "akv"
+
+
+def attach(req: Any, recv_req: Any, server_args: Any) -> str | None:
+    """Give ``req`` its AKV state from the tokenized request; an error message (HTTP 400) when the
+    program is malformed or the server cannot execute it."""
+    data = getattr(recv_req, "context_program", None)
+    if data is None:
+        return None
+    if server_args.radix_cache_backend != BACKEND:
+        return (f"server configuration: radix_cache_backend {server_args.radix_cache_backend!r} cannot execute "
+                "drop_message/reposition (start with python -m akv.system.launch_server)")
+    if not server_args.chunked_prefill_size or server_args.chunked_prefill_size <= 0:
+        return "server configuration: drop_message/reposition need chunked prefill (--chunked-prefill-size > 0)"
+    try:
+        program = decode_program(data)
+    except WireError as exc:
+        return f"context_program: {exc}"
+    if program.token_ids.tolist() != list(req.origin_input_ids):
+        return "context_program: its tokens differ from the request's input_ids"
+    req.akv = AkvRequest(program, req.extra_key or "")
+    return None
+
+
+def cap_extend(req: Any) -> bool:
+    """Stop a context request's round at its segment's end; True when columns remain after it."""
+    state: AkvRequest | None = req.akv
+    if state is None:
+        return False
+    lo, hi = req.extend_range.start, req.extend_range.end
+    if state.active is not None:
+        hi = min(hi, state.current(lo).end)
+    else:
+        hi = min(hi, state.plan_draft_segments()[0].end)
+    req.set_extend_range(lo, hi)
+    return hi < len(req.full_untruncated_fill_ids)
+
+
+def must_wait(req: Any, chunked_busy: bool) -> bool:
+    """A multi-round context request waits while another request holds SGLang's single chunked slot."""
+    state: AkvRequest | None = req.akv
+    return state is not None and chunked_busy and state.needs_rounds()
+
+
+def extra_budget(req: Any) -> int:
+    state: AkvRequest | None = req.akv
+    return 0 if state is None else state.extra_budget()
+
+
+def in_batch(batch: Any) -> bool:
+    return batch is not None and any(r.akv is not None for r in batch.reqs)

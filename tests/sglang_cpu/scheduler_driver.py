@@ -1,0 +1,214 @@
+"""Serve requests through SGLang 0.5.16's real ``Scheduler`` + ``TpModelWorker`` on the CPU.
+
+Run as a script (its own process: SGLang's scheduler owns a torch.distributed world) with the
+patched wheel's site first on ``PYTHONPATH``; reads a JSON job on stdin and prints one JSON line.
+The scheduler's real event loop (normal or overlap) runs in a thread and is fed over ZMQ the way
+SGLang's tokenizer manager feeds it; outputs are captured where the scheduler hands them to the
+detokenizer. Per request the result holds the output ids, the usage SGLang reports, and the
+next-token logits of every forward that predicts a generated token (keyed by its index).
+
+Test-side setup only (nothing here changes SGLang): the torchvision shim, the Triton interpreter
+with its numpy scalar fix, and the flag that keeps ``RotaryEmbedding`` off vllm's CPU kernel.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from array import array
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "sglang_patch"))
+
+import cpu_shim  # noqa: E402
+
+cpu_shim.install()
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _fix_triton_interpreter() -> None:
+    """Triton 3.6's interpreter with numpy >= 2.4: a loaded scalar used as a loop bound is a
+    one-element array, which ``range`` rejects; give interpreted tensors an ``__index__``."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_fix_triton_interpreter()
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+import sglang.srt.layers.rotary_embedding.base as rotary_base  # noqa: E402
+
+rotary_base._is_cpu = True  # RotaryEmbedding.forward_native instead of vllm's CPU kernel
+
+from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput, sock_send  # noqa: E402
+from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import PortArgs, ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+
+
+class Driver:
+    """One scheduler, its loop thread, the request socket and everything captured."""
+
+    def __init__(self, model: str, overlap: bool, chunk: int, backend: str | None, max_total_tokens: int) -> None:
+        args = ServerArgs(
+            model_path=model, device="cpu", attention_backend="triton", sampling_backend="pytorch", page_size=1,
+            dtype="float32", disable_cuda_graph=True, disable_overlap_schedule=not overlap,
+            chunked_prefill_size=chunk, max_total_tokens=max_total_tokens, max_running_requests=8,
+            skip_server_warmup=True, radix_cache_backend=backend, mem_fraction_static=0.5,
+        )
+        set_global_server_args_for_scheduler(args)
+        ports = PortArgs.init_new(args)
+        self.push = zmq.Context().socket(zmq.PUSH)
+        self.push.bind(ports.scheduler_input_ipc_name)
+        self.scheduler = Scheduler(args, ports, gpu_id=0, tp_rank=0, moe_ep_rank=0, pp_rank=0, attn_cp_rank=0,
+                                   moe_dp_rank=0, dp_rank=None)
+        self.outputs: list[Any] = []
+        self.lock = threading.Lock()
+        capture = lambda out, recv=None: self._capture(out)  # noqa: E731
+        self.scheduler.ipc_channels.send_to_detokenizer.send_output = capture
+        self.scheduler.ipc_channels.send_to_tokenizer.send_output = capture
+        self.logits: dict[str, dict[int, list[float]]] = {}
+        self.prompt_len: dict[str, int] = {}
+        self._record_logits()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _capture(self, out: Any) -> None:
+        with self.lock:
+            self.outputs.append(out)
+
+    def _loop(self) -> None:
+        try:
+            self.scheduler.run_event_loop()
+        except BaseException:  # noqa: BLE001 - reported to the test
+            self.error = traceback.format_exc()
+
+    def _record_logits(self) -> None:
+        """Keep each forward's next-token logits per request, keyed by the generated index they
+        predict (columns with KV after the forward minus the prompt length)."""
+        runner = self.scheduler.tp_worker.model_runner
+        forward = runner.forward
+        driver = self
+
+        def recording(forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+            out = forward(forward_batch, *args, **kwargs)
+            logits = getattr(out.logits_output, "next_token_logits", None)
+            if logits is not None and forward_batch.rids is not None:
+                seq_lens = forward_batch.seq_lens_cpu.tolist()
+                for i, rid in enumerate(forward_batch.rids):
+                    if rid in driver.prompt_len:
+                        index = seq_lens[i] - driver.prompt_len[rid]
+                        if index >= 0:
+                            driver.logits.setdefault(rid, {})[index] = logits[i].detach().float().tolist()
+            return out
+
+        runner.forward = recording
+
+    def submit(self, request: dict[str, Any]) -> None:
+        params = SamplingParams(max_new_tokens=request["max_new"], temperature=0.0, ignore_eos=True)
+        params.normalize(None)
+        program = request.get("program")
+        self.prompt_len[request["rid"]] = len(request["ids"])
+        sock_send(self.push, TokenizedGenerateReqInput(
+            rid=request["rid"], input_text=None, input_ids=array("q", request["ids"]), input_embeds=None,
+            mm_inputs=None, token_type_ids=None, sampling_params=params, return_logprob=False,
+            logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False,
+            context_program=None if program is None else base64.b64decode(program),
+        ))
+
+    def abort(self, rid: str) -> None:
+        sock_send(self.push, AbortReq(rid=rid))
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        with self.lock:
+            captured = list(self.outputs)
+        for batch in captured:
+            if isinstance(batch, AbortReq):
+                out.setdefault(batch.rid, _empty())["finished"] = {"type": "abort"}
+                continue
+            for i, rid in enumerate(getattr(batch, "rids", [])):
+                entry = out.setdefault(rid, _empty())
+                ids = batch.output_ids[i] if batch.output_ids else None
+                entry["ids"].extend(list(ids) if ids is not None else [])
+                if batch.finished_reasons[i] is not None:
+                    entry["finished"] = batch.finished_reasons[i]
+                    entry["cached_tokens"] = batch.cached_tokens[i]
+                    details = batch.cached_tokens_details[i] if batch.cached_tokens_details else None
+                    entry["details"] = details
+        for rid, entry in out.items():
+            entry["logits"] = {str(k): v for k, v in self.logits.get(rid, {}).items()}
+        return out
+
+    def wait(self, rids: list[str], aborts: dict[str, int], timeout: float) -> None:
+        deadline = time.time() + timeout
+        pending_aborts = dict(aborts)
+        while time.time() < deadline:
+            if self.error:
+                raise RuntimeError(self.error)
+            results = self.results()
+            for rid, after in list(pending_aborts.items()):
+                if len(self.logits.get(rid, {})) >= after or after == 0:
+                    self.abort(rid)
+                    del pending_aborts[rid]
+            if all(results.get(r, {}).get("finished") for r in rids) and self._idle():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"requests {rids} did not finish in {timeout} s")
+
+    def _idle(self) -> bool:
+        s = self.scheduler
+        return not s.waiting_queue and s.running_batch.is_empty() and s.chunked_req is None
+
+    def pool(self) -> dict[str, int]:
+        time.sleep(0.3)  # let the loop run its idle pass (the strict leak check)
+        s = self.scheduler
+        return {"available": int(s.token_to_kv_pool_allocator.available_size()),
+                "evictable": int(s.tree_cache.evictable_size()), "protected": int(s.tree_cache.protected_size()),
+                "total": int(s.max_total_num_tokens)}
+
+
+def _empty() -> dict[str, Any]:
+    return {"ids": [], "finished": None, "cached_tokens": None, "details": None}
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    for key, value in job.get("env", {}).items():
+        os.environ[key] = str(value)
+    started = time.time()
+    driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096))
+    report: dict[str, Any] = {"startup_s": round(time.time() - started, 1), "waves": []}
+    for wave in job["waves"]:
+        t = time.time()
+        for request in wave["requests"]:
+            driver.submit(request)
+        driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900))
+        report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool()})
+    if driver.error:
+        raise RuntimeError(driver.error)
+    report["results"] = driver.results()
+    print(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
