@@ -1,12 +1,17 @@
 """Shared pytest setup: GPU tests skip, with a reason, where no CUDA device is present, and Triton
-kernels run in interpreter mode there (set before any kernel module is imported)."""
+kernels run in interpreter mode there (set before any kernel module is imported); the stock and
+the patched sglang wheels, each installed into its own folder (session fixtures)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from akv.system import _build
 
 
 def _cuda_available() -> bool:
@@ -19,6 +24,40 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tag() -> str:
+    return _build.python_tag()
+
+
+@pytest.fixture(scope="session")
+def stock_wheel(tag: str) -> Path:
+    return _build.fetch_stock_wheel(tag, _build.default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def patched(tmp_path_factory: pytest.TempPathFactory, tag: str) -> _build.BuildResult:
+    return _build.build(tmp_path_factory.mktemp("dist"), tag)
+
+
+def _pip_target(wheel: Path, target: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target", str(target),
+         str(wheel)],
+        check=True,
+    )
+    return target
+
+
+@pytest.fixture(scope="session")
+def stock_site(tmp_path_factory: pytest.TempPathFactory, stock_wheel: Path) -> Path:
+    return _pip_target(stock_wheel, tmp_path_factory.mktemp("stock-site"))
+
+
+@pytest.fixture(scope="session")
+def patched_site(tmp_path_factory: pytest.TempPathFactory, patched: _build.BuildResult) -> Path:
+    return _pip_target(patched.wheel, tmp_path_factory.mktemp("patched-site"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -29,8 +29,10 @@ sys.path.insert(0, str(HERE.parent / "sglang_patch"))
 
 import cpu_shim  # noqa: E402
 
-cpu_shim.install()
+JOB = json.loads(sys.stdin.read())
+os.environ.update({key: str(value) for key, value in JOB.get("env", {}).items()})  # before SGLang reads them
 os.environ["TRITON_INTERPRET"] = "1"
+cpu_shim.install()
 
 
 def _fix_triton_interpreter() -> None:
@@ -49,7 +51,6 @@ def _fix_triton_interpreter() -> None:
 
 _fix_triton_interpreter()
 
-import torch  # noqa: E402
 import zmq  # noqa: E402
 
 import sglang.srt.layers.rotary_embedding.base as rotary_base  # noqa: E402
@@ -84,6 +85,7 @@ class Driver:
         self.scheduler.ipc_channels.send_to_detokenizer.send_output = capture
         self.scheduler.ipc_channels.send_to_tokenizer.send_output = capture
         self.logits: dict[str, dict[int, list[float]]] = {}
+        self.batches: list[list[str]] = []
         self.prompt_len: dict[str, int] = {}
         self._record_logits()
         self.error: str | None = None
@@ -109,6 +111,8 @@ class Driver:
 
         def recording(forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
             out = forward(forward_batch, *args, **kwargs)
+            if forward_batch.rids is not None:
+                driver.batches.append(list(forward_batch.rids))
             logits = getattr(out.logits_output, "next_token_logits", None)
             if logits is not None and forward_batch.rids is not None:
                 seq_lens = forward_batch.seq_lens_cpu.tolist()
@@ -151,8 +155,8 @@ class Driver:
                 if batch.finished_reasons[i] is not None:
                     entry["finished"] = batch.finished_reasons[i]
                     entry["cached_tokens"] = batch.cached_tokens[i]
-                    details = batch.cached_tokens_details[i] if batch.cached_tokens_details else None
-                    entry["details"] = details
+                    entry["details"] = batch.cached_tokens_details[i] if batch.cached_tokens_details else None
+                    entry["retractions"] = batch.retraction_counts[i] if batch.retraction_counts else 0
         for rid, entry in out.items():
             entry["logits"] = {str(k): v for k, v in self.logits.get(rid, {}).items()}
         return out
@@ -190,9 +194,7 @@ def _empty() -> dict[str, Any]:
 
 
 def main() -> None:
-    job = json.loads(sys.stdin.read())
-    for key, value in job.get("env", {}).items():
-        os.environ[key] = str(value)
+    job = JOB
     started = time.time()
     driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096))
     report: dict[str, Any] = {"startup_s": round(time.time() - started, 1), "waves": []}
@@ -205,6 +207,7 @@ def main() -> None:
     if driver.error:
         raise RuntimeError(driver.error)
     report["results"] = driver.results()
+    report["batches"] = driver.batches
     print(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)

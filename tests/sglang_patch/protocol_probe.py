@@ -17,11 +17,20 @@ import sglang
 from pydantic import ValidationError
 from sglang.srt.entrypoints.openai import protocol
 
+try:
+    from akv.system.adapter.protocol import request_rules
+except ImportError:  # the stock wheel's probe runs without the AKV package on its path
+    request_rules = None
+
 
 def parse(body: dict) -> dict:
+    """Parse as the HTTP layer does, then (AKV build) check the cache operations as the serving
+    path does before any model work."""
     try:
         request = protocol.ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
+        if request_rules is not None and sglang.__version__.endswith("+akv"):
+            request_rules(request)
+    except (ValidationError, ValueError) as exc:
         return {"ok": False, "error": str(exc), "dump": None}
     return {"ok": True, "error": None, "dump": request.model_dump(mode="json")}
 

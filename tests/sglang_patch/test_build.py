@@ -17,6 +17,7 @@ from akv.system import _build
 PATCHED_FILES = {
     "sglang/_version.py",
     "sglang/srt/entrypoints/openai/protocol.py",
+    "sglang/srt/entrypoints/openai/serving_base.py",
     "sglang/srt/entrypoints/openai/serving_chat.py",
     "sglang/srt/layers/attention/triton_backend.py",
     "sglang/srt/managers/io_struct.py",
@@ -87,7 +88,7 @@ def test_installed_files_keep_stock_modes(patched: _build.BuildResult, stock_whe
 def test_pip_installs_the_wheel(patched_site: Path) -> None:
     info = patched_site / "sglang-0.5.16+akv.dist-info"
     assert (info / "METADATA").is_file() and (info / "RECORD").is_file()
-    assert "akv_protocol.check_context_fields" in (
+    assert "akv_protocol.note_unknown_fields" in (
         patched_site / "sglang/srt/entrypoints/openai/protocol.py").read_text()
 
 
@@ -115,8 +116,8 @@ def test_changed_inputs_rebuild_and_overlay_files_are_added(
     shutil.copy(patched.wheel, out / patched.wheel.name)
     patch = tmp_path / "changed.patch"
     patch.write_text(_build.PATCH_FILE.read_text().replace(
-        "+    drop_message: Optional[Dict[str, List[int]]] = None",
-        "+    drop_message: Optional[Dict[str, List[int]]] = None  # changed"))
+        "+    drop_message: Optional[Any] = None",
+        "+    drop_message: Optional[Any] = None  # changed"))
     overlay = tmp_path / "overlay"
     (overlay / "sglang" / "srt").mkdir(parents=True)
     (overlay / "sglang" / "srt" / "akv_marker.py").write_text("MARK = 1\n")

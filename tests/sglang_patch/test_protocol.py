@@ -64,6 +64,13 @@ CONTEXT_BAD = [
     (None, 1, "reposition: expected a list of message ids, got int"),
 ]
 
+# misspelt AKV fields: refused instead of silently served as plain requests
+MISSPELT = [
+    ({"drop_messages": {"2": [0]}}, "drop_messages: unknown field; AKV's cache operations are 'drop_message'"),
+    ({"repositions": [2]}, "repositions: unknown field"),
+    ({"drop_message": {"2": [0]}, "Drop_Message": {"2": [1]}}, "Drop_Message: unknown field"),
+]
+
 
 def _context_body(drop_message, reposition) -> dict:
     body: dict = {"messages": CONVERSATION, "tools": TOOLS}
@@ -79,7 +86,8 @@ def results(stock_site: Path, patched_site: Path) -> dict[str, dict]:
     details = [{"cached_tokens": 0}, {"cached_tokens": 5}, {"cached_tokens": 3, "image_tokens": 2}]
     patched_payload = {
         "requests": PLAIN + [_context_body(d, r) for d, r in CONTEXT_OK]
-        + [_context_body(d, r) for d, r, _ in CONTEXT_BAD],
+        + [_context_body(d, r) for d, r, _ in CONTEXT_BAD]
+        + [{"messages": CONVERSATION, **fields} for fields, _ in MISSPELT],
         "details": details + [{"cached_tokens": 4, "repos_tokens": 6, "drop_skipped_tokens": 0},
                               {"cached_tokens": 1, "repos_tokens": None, "drop_skipped_tokens": 9}],
     }
@@ -97,9 +105,9 @@ def test_plain_requests_parse_exactly_as_stock(results: dict[str, dict]) -> None
     patched = results["patched"]["requests"][: len(PLAIN)]
     for body, s, p in zip(PLAIN, stock, patched):
         assert s["ok"] and p["ok"], (body, s["error"], p["error"])
-        extra = {k: p["dump"].pop(k) for k in ("drop_message", "reposition")}
+        extra = {k: p["dump"].pop(k) for k in ("drop_message", "reposition", "akv_unknown_fields")}
         assert p["dump"] == s["dump"], body
-        assert extra == {"drop_message": body.get("drop_message"), "reposition": None}
+        assert extra == {"drop_message": body.get("drop_message"), "reposition": None, "akv_unknown_fields": None}
 
 
 def test_usage_serializes_as_stock_and_adds_only_set_counters(results: dict[str, dict]) -> None:
@@ -122,3 +130,11 @@ def test_bad_context_fields_are_rejected_naming_field_and_value(results: dict[st
     for (drop_message, reposition, message), out in zip(CONTEXT_BAD, results["patched"]["requests"][start:]):
         assert not out["ok"], (drop_message, reposition)
         assert message in out["error"], (message, out["error"])
+
+
+def test_misspelt_akv_fields_are_refused_naming_the_field(results: dict[str, dict]) -> None:
+    outs = results["patched"]["requests"][len(PLAIN) + len(CONTEXT_OK) + len(CONTEXT_BAD):]
+    assert len(outs) == len(MISSPELT)
+    for (fields, message), out in zip(MISSPELT, outs):
+        assert not out["ok"], fields
+        assert out["error"].startswith(message.split(";")[0]) and message in out["error"], out["error"]

@@ -30,7 +30,7 @@ def _serving(chat_template_name: str | None = None, **server: object) -> SimpleN
 
 def _request(**fields: object) -> SimpleNamespace:
     base = {"messages": MESSAGES, "drop_message": None, "reposition": None, "n": 1, "input_ids": None,
-            "continue_final_message": False}
+            "continue_final_message": False, "akv_unknown_fields": None}
     return SimpleNamespace(**{**base, **fields})
 
 

@@ -1,36 +1,44 @@
-"""Hooks for the patched ``sglang/srt/entrypoints/openai/protocol.py``: AKV request fields."""
+"""Hooks for the patched ``sglang/srt/entrypoints/openai/protocol.py``: AKV request fields.
+
+``drop_message`` / ``reposition`` are declared as sent (no pydantic coercion, so ``"1"`` or
+``true`` reach the wire rules as they are) and checked by :func:`request_rules` in the serving
+path, which SGLang answers with a clean 400. Plain requests parse exactly as stock.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from akv.system.context.rules import ContextRules, is_plain_request, parse_rules
+from akv.system.context.rules import ContextRules, RuleError, is_plain_request, parse_rules
+
+FIELDS = ("drop_message", "reposition")
 
 
-def check_context_fields(values: Any) -> Any:
-    """Body of ``ChatCompletionRequest``'s 'before' validator: check ``drop_message``/``reposition``.
+class UnknownContextField(RuleError):
+    """A request field that looks like an AKV cache operation but is not one (a misspelling)."""
 
-    Runs the context rules on the raw JSON values (so ``"1"`` or ``true`` are not coerced to ids)
-    against ``len(messages)``; a bad value raises a ``RuleError`` (a ``ValueError``) naming the
-    field, which SGLang answers with HTTP 400. Plain requests pass through untouched.
-    """
+
+def note_unknown_fields(values: Any) -> Any:
+    """Body of ``ChatCompletionRequest``'s 'before' validator: remember top-level keys that look like
+    misspelt AKV fields (``drop_messages``, ``repositions``...) so the request is refused with a 400
+    instead of being served silently as a plain request."""
     if not isinstance(values, Mapping):
         return values
-    drop_message = values.get("drop_message")
-    reposition = values.get("reposition")
-    if is_plain_request(drop_message, reposition):
-        return values
-    messages = values.get("messages")
-    if isinstance(messages, (list, tuple)):
-        parse_rules(drop_message, reposition, len(messages))
-    return values
+    unknown = sorted(k for k in values if isinstance(k, str) and k not in FIELDS and _looks_like_akv(k))
+    return {**values, "akv_unknown_fields": unknown} if unknown else values
 
 
 def request_rules(request: Any) -> ContextRules | None:
-    """The parsed cache operations of a validated request, or None for a plain request."""
-    drop_message = request.drop_message
-    reposition = request.reposition
-    if is_plain_request(drop_message, reposition):
+    """The parsed cache operations of a request, or None for a plain one; a bad or misspelt field
+    raises a ``RuleError`` (``ValueError``) naming it."""
+    for key in request.akv_unknown_fields or ():
+        raise UnknownContextField(key, None, "unknown field; AKV's cache operations are 'drop_message' and 'reposition'")
+    if is_plain_request(request.drop_message, request.reposition):
         return None
-    return parse_rules(drop_message, reposition, len(request.messages))
+    return parse_rules(request.drop_message, request.reposition, len(request.messages))
+
+
+def _looks_like_akv(key: str) -> bool:
+    lowered = key.lower().replace("-", "_")
+    return lowered.startswith(("drop", "repos", "akv"))

@@ -46,10 +46,13 @@ def cap_extend(req: Any) -> bool:
     return hi < len(req.full_untruncated_fill_ids)
 
 
-def must_wait(req: Any, chunked_busy: bool) -> bool:
-    """A multi-round context request waits while another request holds SGLang's single chunked slot."""
+def must_wait(req: Any, has_chunked_req: bool, new_chunked_req: Any) -> bool:
+    """SGLang runs one chunked request at a time: once a context request took the slot in this
+    batch nothing else is added, and a multi-round context request waits while the slot is taken."""
+    if new_chunked_req is not None:
+        return True
     state: AkvRequest | None = req.akv
-    return state is not None and chunked_busy and state.needs_rounds()
+    return state is not None and has_chunked_req and state.needs_rounds()
 
 
 def extra_budget(req: Any) -> int:

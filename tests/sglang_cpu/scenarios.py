@@ -1,0 +1,159 @@
+"""The scenario matrix served through SGLang's real scheduler: conversations as token-id messages
+with the drops and repositions an agent would send, turned into driver jobs (waves of requests)."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from akv.system.context.compiler import compile_program
+from akv.system.context.program import ContextProgram
+from akv.system.context.rules import parse_rules
+from akv.system.context.wire import encode_program
+
+VOCAB = 500
+GEN_PROMPT = 3
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request: ``program`` for a context request, None for a plain one (``ids`` only)."""
+
+    rid: str
+    ids: tuple[int, ...]
+    program: ContextProgram | None
+    max_new: int = 4
+    abort_after: int | None = None
+
+    def job(self) -> dict:
+        encoded = None if self.program is None else base64.b64encode(encode_program(self.program)).decode()
+        return {"rid": self.rid, "ids": list(self.ids), "program": encoded, "max_new": self.max_new}
+
+
+@dataclass
+class Conversation:
+    """Messages (token lists) and the cumulative operations sent with every later request."""
+
+    seed: int
+    messages: list[list[int]] = field(default_factory=list)
+    drops: dict[int, list[int]] = field(default_factory=dict)
+    repositions: list[int] = field(default_factory=list)
+
+    def add(self, *lengths: int) -> Conversation:
+        rng = np.random.default_rng(self.seed * 1000 + len(self.messages))
+        self.messages.extend(rng.integers(0, VOCAB, n).tolist() for n in lengths)
+        return self
+
+    def drop(self, *message_ids: int) -> Conversation:
+        self.drops.setdefault(len(self.messages) - 1, []).extend(message_ids)
+        return self
+
+    def reposition(self) -> Conversation:
+        self.repositions.append(len(self.messages) - 1)
+        return self
+
+    def request(self, rid: str, *, plain: bool = False, **kwargs: object) -> Request:
+        n = len(self.messages)
+        gen = np.random.default_rng(self.seed).integers(0, VOCAB, GEN_PROMPT).tolist()
+        ids = [t for m in self.messages for t in m] + gen
+        if plain:
+            return Request(rid, tuple(ids), None, **kwargs)
+        owners = [i for i, m in enumerate(self.messages) for _ in m] + [n] * GEN_PROMPT
+        drop_message = {str(a): list(ms) for a, ms in self.drops.items()} or None
+        rules = parse_rules(drop_message, list(self.repositions) or None, n)
+        program = compile_program(np.array(ids, dtype=np.int64), np.array(owners, dtype=np.int64), rules, n)
+        return Request(rid, tuple(ids), program, **kwargs)
+
+    def copy(self, seed: int | None = None) -> Conversation:
+        return Conversation(self.seed if seed is None else seed, [list(m) for m in self.messages],
+                            {a: list(m) for a, m in self.drops.items()}, list(self.repositions))
+
+
+def tool_conversation(seed: int, turns: int, prefix: str) -> list[Request]:
+    """An agent loop: a user task, then per turn an assistant call and a tool result; from the
+    second turn on the oldest kept tool result is dropped every turn, repositioned every 3."""
+    conv = Conversation(seed).add(7, 5)
+    requests = [conv.request(f"{prefix}-0")]
+    for turn in range(1, turns):
+        conv.add(4, 9)
+        kept = [m for m in range(2, len(conv.messages) - 2, 2) if not any(m in v for v in conv.drops.values())]
+        if kept:
+            conv.drop(kept[0])
+        if turn % 3 == 0:
+            conv.reposition()
+        requests.append(conv.request(f"{prefix}-{turn}"))
+    return requests
+
+
+def matrix() -> list[list[Request]]:
+    """Waves of the full matrix, in order; requests in one wave run concurrently."""
+    waves: list[list[Request]] = []
+    base = Conversation(1).add(6, 9, 7, 8)
+    waves.append([base.copy().drop(1).request("drop-only")])
+    waves.append([Conversation(2).add(6, 9, 7, 8).reposition().request("repos-only")])
+    waves.append([base.copy().drop(1, 2).reposition().request("drop-and-repos")])
+    # Figure 5: compute C then drop A / drop A then compute C / never had A (A = message 1, C = message 3)
+    fig = Conversation(3).add(5, 6, 6, 6)
+    waves.append([fig.copy().drop(1).request("fig5-drop-after-c")])
+    early = Conversation(3).add(5, 6, 6)
+    early.drop(1)
+    early.messages.append(list(fig.messages[3]))
+    waves.append([early.request("fig5-drop-before-c")])
+    never = Conversation(3)
+    never.messages = [list(fig.messages[i]) for i in (0, 2, 3)]
+    waves.append([never.request("fig5-never-a")])
+    # a plain first turn, then context turns over the same history, then plain again
+    agent = Conversation(4).add(8, 6, 9)
+    waves.append([agent.request("agent-plain-1", plain=True)])
+    agent.add(5, 7).drop(2).reposition()
+    waves.append([agent.request("agent-context-2")])
+    agent.add(4, 6).drop(4)
+    waves.append([agent.request("agent-context-3")])
+    waves.append([Conversation(4).add(8, 6, 9).request("agent-plain-again", plain=True)])
+    # two branches of one conversation, one after the other
+    trunk = Conversation(5).add(6, 6, 6, 6)
+    waves.append([trunk.copy().drop(1).add(5).request("branch-a")])
+    waves.append([trunk.copy().drop(2).reposition().add(5).request("branch-b")])
+    # a 10-turn tool conversation, one request per turn
+    waves.extend([r] for r in tool_conversation(6, 10, "tool"))
+    # concurrent context and plain requests (distinct conversations: no reuse between them)
+    waves.append([Conversation(7).add(9, 8, 7).drop(1).reposition().request("mixed-ctx-a", max_new=6),
+                  Conversation(8).add(7, 7, 7, 7).request("mixed-plain", plain=True, max_new=6),
+                  Conversation(9).add(8, 5, 9, 4).drop(2).request("mixed-ctx-b", max_new=6)])
+    return waves
+
+
+def retraction_waves() -> list[list[Request]]:
+    """Concurrent context requests long enough in decode for forced retractions to hit them."""
+    return [[Conversation(10).add(9, 8, 7).drop(1).reposition().request("retract-a", max_new=12),
+             Conversation(11).add(8, 9, 6, 5).drop(2).request("retract-b", max_new=12),
+             Conversation(12).add(7, 7, 7).request("retract-plain", plain=True, max_new=12)]]
+
+
+def abort_waves() -> list[list[Request]]:
+    """Abort mid-segment and mid-decode; the next requests must be served exactly."""
+    long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)
+    decode = Conversation(14).add(8, 8, 8).drop(1)
+    return [
+        [long.request("abort-mid-segment", abort_after=0)],
+        [decode.request("abort-mid-decode", max_new=60, abort_after=2)],
+        [long.request("after-abort"), decode.request("after-abort-2")],
+    ]
+
+
+def plain_waves() -> list[list[Request]]:
+    """Plain traffic with shared prefixes and chunked prompts, for the stock differential."""
+    conv = Conversation(15).add(9, 12, 10)
+    return [
+        [conv.request("plain-1", plain=True)],
+        [conv.copy().add(11).request("plain-2", plain=True)],
+        [conv.copy().add(11, 6).request("plain-3", plain=True), Conversation(16).add(14, 9).request("plain-4", plain=True)],
+        [conv.request("plain-1-again", plain=True)],
+    ]
+
+
+def job(waves: list[list[Request]]) -> list[dict]:
+    return [{"requests": [r.job() for r in wave],
+             "aborts": {r.rid: r.abort_after for r in wave if r.abort_after is not None}} for wave in waves]

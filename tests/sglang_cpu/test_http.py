@@ -1,0 +1,163 @@
+"""The whole patched server on the CPU: ``python -m akv.system.launch_server`` (HTTP layer, tokenizer
+manager, real scheduler, detokenizer, FP32 tiny Qwen3) against the exact CPU reference server,
+request for request: the same replies and the same usage for plain and context turns, streamed
+and not; bad requests answered 400 with ``param`` set and the body not echoed; the server keeps
+serving afterwards (its strict idle leak check would stop the scheduler otherwise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from akv.system.reference_server import Engine, ReferenceServer
+
+from .conftest import HERE, ROOT, STRICT
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [
+    {"role": "system", "content": "You follow record chains."},
+    {"role": "user", "content": "Read record A and follow it."},
+    {"role": "assistant", "content": "Reading A."},
+    {"role": "user", "content": "Record A: shipment 7 left the depot; see record B for the next leg."},
+    {"role": "assistant", "content": "Reading B."},
+    {"role": "user", "content": "Record B: the shipment arrived; the chain ends here."},
+]
+TURNS = [
+    ("plain", {}),
+    ("drop-and-repos", {"drop_message": {"4": [3]}, "reposition": [4]}),
+    ("drop-and-repos-streamed", {"drop_message": {"4": [3]}, "reposition": [4], "stream": True,
+                                 "stream_options": {"include_usage": True}}),
+    ("later-drop", {"drop_message": {"4": [3], "5": [1, 2]}, "reposition": [4]}),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            text = response.read().decode()
+            status = response.status
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read().decode())
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        usage = next(e["usage"] for e in events if e.get("usage"))
+        return status, {"content": content, "usage": usage}
+    reply = json.loads(text)
+    return status, {"content": reply["choices"][0]["message"]["content"], "usage": reply["usage"]}
+
+
+@pytest.fixture(scope="module")
+def sglang_url(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("sglang-cpu-server") / "server.log"
+    env = {**os.environ, **STRICT, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
+    command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(tiny_qwen3), "--device", "cpu",
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--disable-cuda-graph",
+               "--sampling-backend", "pytorch", "--max-total-tokens", "4096", "--chunked-prefill-size", "16",
+               "--skip-server-warmup", "--mem-fraction-static", "0.5"]
+    log = open(log_path, "w")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def reference_url(tiny_qwen3: Path) -> Iterator[str]:
+    server = ReferenceServer(Engine(tiny_qwen3, name="default", kv_slots=4096))
+    server.start_in_background()
+    try:
+        yield server.url
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def served_turns(sglang_url: str, reference_url: str) -> list[tuple[str, Any, Any]]:
+    out = []
+    for name, fields in TURNS:
+        body = {"model": "default", "messages": MESSAGES, "max_tokens": 6, "temperature": 0.0, **fields}
+        got, want = post(sglang_url, body), post(reference_url, body)
+        assert got[0] == 200 and want[0] == 200, (name, got, want)
+        out.append((name, got[1], want[1]))
+    return out
+
+
+def test_replies_equal_the_reference_servers(served_turns: list) -> None:
+    for name, got, want in served_turns:
+        assert got["content"] == want["content"], name
+
+
+def test_usage_equals_the_reference_servers(served_turns: list) -> None:
+    for name, got, want in served_turns:
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"], name
+        assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], name
+        if name != "plain":
+            details = got["usage"]["prompt_tokens_details"]
+            assert set(details) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens"}, name
+            assert details == want["usage"]["prompt_tokens_details"], name
+    streamed = dict((n, g) for n, g, _ in served_turns)["drop-and-repos-streamed"]
+    assert streamed["usage"]["prompt_tokens_details"]["repos_tokens"] == 0, "the repeat reads re-rotated KV as cached"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "needle"),
+    [
+        ({"drop_message": {"2": [4]}}, "drop_message", "drop_message['2'][0]: message 4 is after its anchor 2"),
+        ({"reposition": [9]}, "reposition", "reposition[0]: message id 9 is out of range for 6 messages"),
+        ({"drop_message": {"4": ["1"]}}, "drop_message", "drop_message['4'][0]: message id '1' is a str, not an int"),
+        ({"drop_messages": {"4": [1]}}, "drop_messages", "drop_messages: unknown field"),
+        ({"drop_message": {"4": [1]}, "n": 2}, "n", "n: drop_message/reposition need n == 1, got 2"),
+        ({"drop_message": {"4": [1]}, "chat_template_kwargs": {"drop_message": 1}}, "chat_template_kwargs",
+         "chat_template_kwargs['drop_message']: collides"),
+    ],
+)
+def test_bad_requests_get_a_clean_400(sglang_url: str, fields: dict, param: str, needle: str) -> None:
+    status, error = post(sglang_url, {"model": "default", "messages": MESSAGES, "max_tokens": 2, **fields})
+    assert status == 400, error
+    assert error["param"] == param and needle in error["message"], error
+    assert "Record B" not in error["message"], "the request body is echoed back"
+
+
+def test_the_server_still_serves_after_everything(sglang_url: str, served_turns: list) -> None:
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 3, "temperature": 0.0,
+            "drop_message": {"4": [3]}, "reposition": [4]}
+    status, reply = post(sglang_url, body)
+    assert status == 200 and reply["usage"]["prompt_tokens_details"]["drop_skipped_tokens"] > 0

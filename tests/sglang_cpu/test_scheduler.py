@@ -1,0 +1,184 @@
+"""Drop / Reposition served by SGLang 0.5.16's real Scheduler, TpModelWorker and triton attention
+(its Triton kernels interpreted) on the CPU, in FP32: every request's greedy tokens and next-token
+logits against the oracle, usage against the cache core's own accounting of the same request
+sequence (what the reference server reports), and the pool back to its start after every wave
+with SGLang's strict idle leak check on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from akv.system.cache.core import CacheCore
+from akv.system.cache.pool import SlotPool
+from akv.system.context.compiler import append_generated, compile_program
+from akv.system.context.rules import parse_rules
+from akv.system.reference.model import ReferenceModel
+from akv.system.reference.oracle import run_oracle, run_program
+
+from . import scenarios
+from .conftest import serve
+from .scenarios import Request
+
+pytestmark = pytest.mark.slow
+LOGIT_TOLERANCE = 1e-5
+MODES = {
+    "normal-chunk4": {"chunk": 4},
+    "normal-chunk64": {"chunk": 64},
+    "overlap-chunk4": {"chunk": 4, "overlap": True},
+}
+
+
+@pytest.fixture(scope="session")
+def oracle_model(tiny_qwen3: Path) -> ReferenceModel:
+    return ReferenceModel.from_pretrained(tiny_qwen3, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def matrix_run(request: pytest.FixtureRequest, patched_site: Path, tiny_qwen3: Path) -> tuple[list, dict]:
+    waves = scenarios.matrix()
+    return waves, serve(patched_site, tiny_qwen3, scenarios.job(waves), **MODES[request.param])
+
+
+def _program(request: Request):
+    if request.program is not None:
+        return request.program
+    ids = np.array(request.ids, dtype=np.int64)
+    return compile_program(ids, np.zeros(ids.size, dtype=np.int64), parse_rules(None, None, 1), 1)
+
+
+def assert_exact(model: ReferenceModel, request: Request, result: dict[str, Any]) -> None:
+    """Greedy tokens equal the oracle's (teacher-forced on the served ones); logits within FP32 noise."""
+    ids = result["ids"]
+    assert result["finished"] is not None and result["finished"]["type"] == "length", (request.rid, result["finished"])
+    assert len(ids) == request.max_new, request.rid
+    if request.program is not None:
+        oracle = run_program(model, append_generated(request.program, np.array(ids[:-1], dtype=np.int64)))
+    else:
+        oracle = run_oracle(model, list(request.ids) + ids[:-1])
+    n = len(request.ids)
+    expected = oracle.logits[n - 1 :].argmax(-1).tolist()
+    assert ids == expected, f"{request.rid}: served {ids}, oracle {expected}"
+    for g in range(len(ids)):
+        row = torch.tensor(result["logits"][str(g)])
+        err = float((row - oracle.logits[n - 1 + g]).abs().max())
+        assert err <= LOGIT_TOLERANCE, f"{request.rid}: logits of token {g} off by {err:.2e}"
+
+
+def expected_usage(waves: list[list[Request]], report: dict, *, cold: bool = False) -> dict[str, dict[str, int]]:
+    """Each request's usage from the cache core itself, replaying the served sequence (each wave
+    admitted, then finished with its KV'd generated tokens, as the reference server does)."""
+    core = CacheCore(SlotPool(1 << 16))
+    usage = {}
+    for wave in waves:
+        admitted = []
+        for request in wave:
+            active = (CacheCore(SlotPool(1 << 12)) if cold else core).admit(_program(request))
+            usage[request.rid] = active.plan.usage.as_dict()
+            admitted.append((request, active))
+        for request, active in admitted:
+            if cold:
+                continue
+            generated = np.array(report["results"][request.rid]["ids"][:-1], dtype=np.int64)
+            core.finish(active, generated, core.allocate(generated.size))
+    return usage
+
+
+def reported_usage(request: Request, result: dict[str, Any]) -> dict[str, int]:
+    if request.program is None:
+        assert result["details"] is None or "repos_tokens" not in result["details"]
+        return {"cached_tokens": result["cached_tokens"], "repos_tokens": 0, "drop_skipped_tokens": 0}
+    details = result["details"]
+    assert details is not None, f"{request.rid}: a context request must report its usage"
+    assert details["cached_tokens"] == result["cached_tokens"] == details["device"]
+    return {key: details[key] for key in ("cached_tokens", "repos_tokens", "drop_skipped_tokens")}
+
+
+def assert_pool_back(report: dict) -> None:
+    for i, wave in enumerate(report["waves"]):
+        pool = wave["pool"]
+        assert pool["protected"] == 0, f"wave {i}: {pool}"
+        assert pool["available"] + pool["evictable"] == pool["total"], f"wave {i}: {pool}"
+
+
+def test_matrix_tokens_and_logits_equal_the_oracle(matrix_run: tuple[list, dict], oracle_model: ReferenceModel) -> None:
+    waves, report = matrix_run
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, report["results"][request.rid])
+
+
+def test_matrix_usage_equals_the_cache_cores_accounting(matrix_run: tuple[list, dict]) -> None:
+    waves, report = matrix_run
+    expected = expected_usage(waves, report)
+    for wave in waves:
+        for request in wave:
+            assert reported_usage(request, report["results"][request.rid]) == expected[request.rid], request.rid
+    assert expected["agent-context-2"]["cached_tokens"] > 0, "the first context turn reuses the plain turns"
+    assert expected["agent-plain-again"]["cached_tokens"] > 0, "a plain turn after context turns reuses their prefix"
+
+
+def test_matrix_leaves_the_pool_as_it_found_it(matrix_run: tuple[list, dict]) -> None:
+    assert_pool_back(matrix_run[1])
+
+
+def test_context_and_plain_requests_share_batches(matrix_run: tuple[list, dict]) -> None:
+    _, report = matrix_run
+    mixed = [b for b in report["batches"] if "mixed-plain" in b and any(r.startswith("mixed-ctx") for r in b)]
+    assert mixed, "the concurrent wave never put a context and a plain request in one forward"
+
+
+def test_forced_retraction_readmits_exactly(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    waves = scenarios.retraction_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=8, env={"SGLANG_TEST_RETRACT": "1"})
+    results = report["results"]
+    assert sum(results[r.rid]["retractions"] for r in waves[0]) > 0, "SGLANG_TEST_RETRACT retracted nothing"
+    expected = expected_usage(waves, report)
+    for request in waves[0]:
+        assert_exact(oracle_model, request, results[request.rid])
+        assert reported_usage(request, results[request.rid]) == expected[request.rid], "usage is the first admission's"
+    assert_pool_back(report)
+
+
+def test_forced_misses_recover_everything(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    waves = scenarios.matrix()[:9]
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=16, env={"SGLANG_RADIX_FORCE_MISS": "1"})
+    expected = expected_usage(waves, report, cold=True)
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, report["results"][request.rid])
+            if request.program is not None:
+                assert reported_usage(request, report["results"][request.rid]) == expected[request.rid]
+    assert_pool_back(report)
+
+
+def test_aborts_release_everything_and_the_next_requests_are_exact(
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    waves = scenarios.abort_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
+    for request in (waves[0][0], waves[1][0]):
+        assert report["results"][request.rid]["finished"]["type"] == "abort", request.rid
+    for request in waves[2]:
+        assert_exact(oracle_model, request, report["results"][request.rid])
+    assert_pool_back(report)
+
+
+def test_plain_traffic_through_the_akv_backend_is_stock(patched_site: Path, tiny_qwen3: Path,
+                                                        oracle_model: ReferenceModel) -> None:
+    """The same plain requests through stock RadixCache and through the AKV backend: same tokens,
+    same cached_tokens (and both exact)."""
+    waves = scenarios.plain_waves()
+    stock = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=8, backend=None)
+    akv = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=8, backend="akv")
+    for wave in waves:
+        for request in wave:
+            got, want = akv["results"][request.rid], stock["results"][request.rid]
+            assert got["ids"] == want["ids"], request.rid
+            assert got["cached_tokens"] == want["cached_tokens"], request.rid
+            assert_exact(oracle_model, request, got)
+    assert stock["results"]["plain-1-again"]["cached_tokens"] > 0
+    assert_pool_back(akv)
