@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from akv.agent.errors import ContextLengthError, StreamError
+from akv.agent.errors import ContextLengthError, HTTPStatusError
 from akv.agent import send_chat_request
 
 MODEL = "tiny-test"
@@ -132,7 +132,9 @@ def test_engine_failure_is_reported_and_the_server_recovers(served: Any, monkeyp
     monkeypatch.setattr(served.engine, "generate", broken)
     status, reply = post(served.url, good_body())
     assert status == 500 and "simulated engine fault" in reply["error"]["message"]
-    with pytest.raises(StreamError, match="simulated engine fault"):
+    # Before the first token the stream has not started: a plain HTTP 500.
+    with pytest.raises(HTTPStatusError, match="simulated engine fault") as info:
         send_chat_request(served.url, good_body(stream=True), timeout=60)
+    assert info.value.status == 500
     monkeypatch.undo()
     assert post(served.url, good_body())[0] == 200
