@@ -90,7 +90,7 @@ class Engine:
             program = compile_program(provenance.token_ids, provenance.owners, request.rules, len(messages))
         except ProgramError as exc:
             raise RequestError("messages", f"{len(messages)} messages", f"cannot compile the request: {exc}") from exc
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:  # the template met input it cannot take
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:  # input the template cannot take
             raise RequestError("messages", f"{len(messages)} messages",
                                f"the chat template cannot render them: {exc}") from exc
         room = self.max_context - program.next_position

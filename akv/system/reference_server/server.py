@@ -187,24 +187,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, request: ChatRequest) -> None:
         engine = self.server.engine
-        with self.server.engine_lock:
-            prepared = engine.prepare(request)
-            try:
-                generation = engine.generate(prepared, request, on_token=None)
-            except (RequestError, EngineBusy):
-                raise
-            except Exception as exc:  # the engine failed: report it, keep serving
-                failure: Exception | None = exc
-            else:
-                failure = None
-        if failure is not None:
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {failure!r}", param=None, kind="server_error")
+        try:
+            with self.server.engine_lock:
+                generation = engine.generate(engine.prepare(request), request, on_token=None)
+            body = _completion(request, generation)
+        except (RequestError, EngineBusy):
+            raise
+        except Exception as exc:  # the engine or the reply failed: report it, keep serving
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {exc!r}", param=None, kind="server_error")
             return
-        content, calls = _final_message(request, generation)
-        ids = ResponseIds(request.model)
-        logprobs = logprob_entries(generation.steps, request.top_logprobs) if request.logprobs else None
-        body = ids.completion(content, calls, _finish_reason(generation, calls),
-                              usage_body(generation.usage, len(generation.steps)), logprobs)
         self._json(HTTPStatus.OK, body)
 
     def _stream(self, request: ChatRequest) -> None:
@@ -215,7 +206,9 @@ class _Handler(BaseHTTPRequestHandler):
         writer = _StreamWriter(self)
 
         def on_token(step: TokenStep, text: str) -> None:
-            head = b"" if writer.started else self._stream_head() + _event(ids.chunk({"role": "assistant", "content": ""}))
+            head = b""
+            if not writer.started:
+                head = self._stream_head() + _event(ids.chunk({"role": "assistant", "content": ""}))
             delta = streamer.feed(text)
             logprobs = logprob_entries([step], request.top_logprobs) if request.logprobs else None
             chunk = _event(ids.chunk({"content": delta}, logprobs=logprobs)) if delta or logprobs else b""
@@ -223,23 +216,22 @@ class _Handler(BaseHTTPRequestHandler):
                 writer.put(head + chunk)
 
         engine = self.server.engine
-        failure: Exception | None = None
         try:
-            with self.server.engine_lock:
-                prepared = engine.prepare(request)
-                try:
-                    generation = engine.generate(prepared, request, on_token=on_token)
-                except (RequestError, EngineBusy, ClientGone):
-                    raise
-                except Exception as exc:  # the engine failed: report it, keep serving
-                    failure = exc
-            if failure is not None and not writer.started:
-                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {failure!r}", param=None,
-                            kind="server_error")
-            elif failure is not None:  # mid-stream: an error event, no [DONE]
-                writer.put(_event(error_body(f"engine error: {failure!r}", param=None, status=500, kind="server_error")))
-            else:
-                writer.put(self._stream_tail(request, ids, streamer, generation))
+            try:
+                with self.server.engine_lock:
+                    generation = engine.generate(engine.prepare(request), request, on_token=on_token)
+                tail = _stream_tail(request, ids, streamer, generation)
+            except (RequestError, EngineBusy, ClientGone):
+                raise
+            except Exception as exc:  # the engine or the reply failed: report it, keep serving
+                if not writer.started:
+                    self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {exc!r}", param=None,
+                                kind="server_error")
+                else:  # mid-stream: an error event, no [DONE]
+                    writer.put(_event(error_body(f"engine error: {exc!r}", param=None, status=500,
+                                                 kind="server_error")))
+                return
+            writer.put(tail)
         finally:
             writer.close()
 
@@ -249,20 +241,6 @@ class _Handler(BaseHTTPRequestHandler):
                  f"Date: {self.date_time_string()}", "Content-Type: text/event-stream", "Cache-Control: no-cache",
                  "Connection: close"]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-    @staticmethod
-    def _stream_tail(request: ChatRequest, ids: ResponseIds, streamer: ContentStreamer,
-                     generation: Generation) -> bytes:
-        content, calls = _final_message(request, generation)
-        rest = streamer.rest(content)
-        out = [_event(ids.chunk({"content": rest}))] if rest else []
-        if calls:
-            out.append(_event(ids.chunk({"tool_calls": stream_tool_call_deltas(calls)})))
-        out.append(_event(ids.chunk({}, finish_reason=_finish_reason(generation, calls))))
-        if request.include_usage:
-            out.append(_event(ids.usage_chunk(usage_body(generation.usage, len(generation.steps)))))
-        out.append(b"data: [DONE]\n\n")
-        return b"".join(out)
 
     def _json(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
         data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
@@ -285,6 +263,27 @@ class _BodyTimeout(Exception):
 
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def _completion(request: ChatRequest, generation: Generation) -> dict[str, Any]:
+    content, calls = _final_message(request, generation)
+    logprobs = logprob_entries(generation.steps, request.top_logprobs) if request.logprobs else None
+    return ResponseIds(request.model).completion(content, calls, _finish_reason(generation, calls),
+                                                 usage_body(generation.usage, len(generation.steps)), logprobs)
+
+
+def _stream_tail(request: ChatRequest, ids: ResponseIds, streamer: ContentStreamer,
+                 generation: Generation) -> bytes:
+    content, calls = _final_message(request, generation)
+    rest = streamer.rest(content)
+    out = [_event(ids.chunk({"content": rest}))] if rest else []
+    if calls:
+        out.append(_event(ids.chunk({"tool_calls": stream_tool_call_deltas(calls)})))
+    out.append(_event(ids.chunk({}, finish_reason=_finish_reason(generation, calls))))
+    if request.include_usage:
+        out.append(_event(ids.usage_chunk(usage_body(generation.usage, len(generation.steps)))))
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
 
 
 def _final_message(request: ChatRequest, generation: Generation) -> tuple[str | None, list[dict[str, Any]]]:
