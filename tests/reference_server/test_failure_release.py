@@ -17,7 +17,8 @@ import pytest
 
 import akv.system.reference_server.engine as engine_module
 import akv.system.reference_server.server as server_module
-from akv.system.cache import ActiveRequest
+from akv.system.cache import ActiveRequest, MatchResult
+from akv.system.cache.occurrence import plan_occurrences
 from akv.system.reference_server import Engine, ReferenceServer, parse_chat_request
 from akv.system.reference_server.sampling import Sampler
 from akv.system.reference_server.text import TextTracker
@@ -191,24 +192,45 @@ def test_a_demand_that_fits_later_is_a_503_and_then_served(small: tuple[str, Eng
     assert nothing_held_outside_the_tree(engine)
 
 
-def test_a_prefix_too_big_to_lock_falls_back_to_a_cold_start(small: tuple[str, Engine],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """When admission cannot meet the demand with the matched prefix locked, the request is served cold."""
-    url, engine = small
-    assert post(url, long_body("tea"))[0] == 200
-    full = engine.cache.admit
-    calls: list[int] = []
+def record(name: str, following: str) -> str:
+    lines = [f"line {k} of record {name}: {k * 7} crates of tea, seal {k * 131 % 997}" for k in range(6)]
+    return "\n".join(lines + [f"next record: {following}"])
 
-    def short_once(program: Any, namespace: str = "") -> Any:
-        calls.append(engine.cache.tree.stats()["versions"])
-        if len(calls) == 1:
-            raise engine_module.CacheFull("simulated: the locked prefix leaves too few slots")
-        return full(program, namespace)
 
-    monkeypatch.setattr(engine.cache, "admit", short_once)
-    status, text = post(url, long_body("tea", max_tokens=4))
-    assert status == 200, text
-    assert calls[0] > 0 and calls[1] == 0  # the second admission found an empty tree
-    usage = json.loads(text)["usage"]["prompt_tokens_details"]
-    assert usage["cached_tokens"] == 0
+def tool_turn(i: int, name: str, following: str) -> list[dict[str, Any]]:
+    call = {"id": f"c{i}", "type": "function", "function": {"name": "read_record",
+                                                            "arguments": json.dumps({"record_id": name})}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": record(name, following)}]
+
+
+CONVERSATION = [{"role": "system", "content": "You follow shipment records."},
+                {"role": "user", "content": "Where is shipment 7? Start at A."},
+                *tool_turn(2, "A", "B"), *tool_turn(4, "B", "C"), *tool_turn(6, "C", "none; final stop is Dock 9")]
+CONTEXT_STEPS = [  # each request's KV stays in the tree, so the tokens of messages 0..5 gain versions
+    {"messages": CONVERSATION[:6]},
+    {"messages": CONVERSATION, "drop_message": {"5": [3]}, "reposition": [5]},
+    {"messages": CONVERSATION, "drop_message": {"5": [3], "7": [5]}, "reposition": [5, 7]},
+]
+
+
+def test_a_prefix_too_big_to_lock_falls_back_to_a_cold_start(tiny_model_dir: Path) -> None:
+    """The last step matches messages 0..5 with every version the earlier steps left, and all of them
+    stay locked during admission; in a pool just big enough for its cold start that cannot fit. It
+    is served cold instead of failing."""
+    engine = Engine(tiny_model_dir, name=MODEL, kv_slots=8192)
+    payloads = [{"model": MODEL, "max_tokens": 2, **step} for step in CONTEXT_STEPS]
+    last = engine.prepare(parse_chat_request(payloads[-1], MODEL, engine.content_format)).program
+    empty = MatchResult(0, 0, np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64))
+    cold_slots = plan_occurrences(last, empty).n_fresh + 1  # the prompt's slots, and one generated token's
+    engine = Engine(tiny_model_dir, name=MODEL, kv_slots=cold_slots)
+    server = ReferenceServer(engine)
+    server.start_in_background()
+    try:
+        replies = [post(server.url, payload) for payload in payloads]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [status for status, _ in replies] == [200, 200, 200], replies[-1][1]
+    assert json.loads(replies[-1][1])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert nothing_held_outside_the_tree(engine)
