@@ -238,11 +238,11 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
 
 def _check_tool_results(messages: list[dict[str, Any]]) -> None:
     """Every tool message answers a call of the assistant message its run of tool messages follows."""
-    calls_at, ids = -1, frozenset[Any]()
+    calls_at, ids = -1, list[Any]()
     for i, message in enumerate(messages):
         role = message["role"]
         if role == "assistant" and message.get("tool_calls"):
-            calls_at, ids = i, frozenset(call.get("id") for call in message["tool_calls"])
+            calls_at, ids = i, [call.get("id") for call in message["tool_calls"]]
         elif role == "tool":
             if calls_at < 0:
                 raise RequestError(f"messages[{i}]", "tool", "a tool result must follow an assistant message "
@@ -252,7 +252,7 @@ def _check_tool_results(messages: list[dict[str, Any]]) -> None:
                 raise RequestError(f"messages[{i}].tool_call_id", _short(call_id),
                                    f"matches no tool call of messages[{calls_at}] (ids {sorted(map(str, ids))})")
         else:
-            calls_at, ids = -1, frozenset()
+            calls_at, ids = -1, []
 
 
 def _check_json(body: Any, root: str = "") -> None:

@@ -79,6 +79,7 @@ class _StreamWriter:
     ``put`` raises :class:`ClientGone` once a write has failed, which stops the generation feeding it."""
 
     def __init__(self, handler: BaseHTTPRequestHandler) -> None:
+        self._handler = handler
         self._wfile = handler.wfile
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._failed = threading.Event()
@@ -109,8 +110,9 @@ class _StreamWriter:
             try:
                 self._wfile.write(data)
                 self._wfile.flush()
-            except OSError:
+            except OSError as exc:
                 self._failed.set()
+                self._handler.log_error("stream dropped: %r", exc)
 
 
 class _Handler(BaseHTTPRequestHandler):
