@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from akv.agent.errors import ContextLengthError, StreamError
+from akv.agent.errors import ContextLengthError, HTTPStatusError
 from akv.agent import send_chat_request
 
 MODEL = "tiny-test"
@@ -73,6 +73,27 @@ BAD_REQUESTS = [
     ("temperature", good_body(temperature=-1), "temperature", "-1"),
     ("top_logprobs alone", good_body(top_logprobs=3), "top_logprobs", "logprobs"),
     ("n > 1", good_body(n=2), "n", "2"),
+    ("n true", good_body(n=True), "n", "True"),
+    ("n float", good_body(n=1.0), "n", "1.0"),
+    ("penalty false", good_body(presence_penalty=False), "presence_penalty", "False"),
+    ("seed too large", good_body(seed=10**30, temperature=1.0), "seed", str(10**30)),
+    ("seed too small", good_body(seed=-(2**63) - 1), "seed", str(-(2**63) - 1)),
+    *[(f"template kwarg {key}", good_body(chat_template_kwargs={key: value}), f"chat_template_kwargs.{key}",
+       "set by the server") for key, value in (("messages", []), ("tools", None), ("add_generation_prompt", False),
+                                               ("tokenize", True), ("documents", []))],
+    ("tool call without a name", _with(["messages", 1, "tool_calls", 0, "function"], {"arguments": "{}"}),
+     "messages[1].tool_calls[0].function.name", "function name"),
+    ("tool call with an empty name", _with(["messages", 1, "tool_calls", 0, "function", "name"], ""),
+     "messages[1].tool_calls[0].function.name", "function name"),
+    ("lone surrogate", _with(["messages", 0, "content"], "half \ud83d of a pair"), "messages[0].content",
+     "surrogate"),
+    ("lone surrogate in a key", good_body(chat_template_kwargs={"\udc00": 1}), "chat_template_kwargs",
+     "surrogate"),
+    ("tool result without a call", _with(["messages", 1], {"role": "user", "content": "go on"}), "messages[2]",
+     "must follow an assistant message with tool_calls"),
+    ("tool result for another call", _with(["messages", 2, "tool_call_id"], "c9"), "messages[2].tool_call_id",
+     "'c9'"),
+    ("max_tokens beyond the pool", good_body(max_tokens=20000), "max_tokens", "20000"),
 ]
 
 
@@ -117,6 +138,26 @@ def test_context_length_error_reaches_the_client_as_such(served: Any) -> None:
     assert info.value.status == 400
 
 
+def nested(depth: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_deeply_nested_json_is_a_400_naming_where(served: Any) -> None:
+    status, reply = post(served.url, None, raw=b"[" * 100_000 + b"]" * 100_000)
+    assert (status, reply["error"]["param"]) == (400, "body")
+    status, reply = post(served.url, good_body(chat_template_kwargs={"x": nested(100)}))
+    assert status == 400 and reply["error"]["param"].startswith("chat_template_kwargs.x[0][0]")
+    assert "nested deeper" in reply["error"]["message"]
+    arguments = '{"a": ' + "[" * 5000 + "1" + "]" * 5000 + "}"  # a string, parsed when rendering
+    status, reply = post(served.url, _with(["messages", 1, "tool_calls", 0, "function", "arguments"], arguments))
+    assert status == 400 and reply["error"]["param"].startswith("messages")
+    status, reply = post(served.url, good_body(chat_template_kwargs={"x": nested(40)}))
+    assert status == 200, reply
+
+
 def test_health_models_and_unknown_routes(served: Any) -> None:
     assert get(served.url, "/health") == (200, {"status": "ok"})
     status, models = get(served.url, "/v1/models")
@@ -132,7 +173,9 @@ def test_engine_failure_is_reported_and_the_server_recovers(served: Any, monkeyp
     monkeypatch.setattr(served.engine, "generate", broken)
     status, reply = post(served.url, good_body())
     assert status == 500 and "simulated engine fault" in reply["error"]["message"]
-    with pytest.raises(StreamError, match="simulated engine fault"):
+    # Before the first token the stream has not started: a plain HTTP 500.
+    with pytest.raises(HTTPStatusError, match="simulated engine fault") as info:
         send_chat_request(served.url, good_body(stream=True), timeout=60)
+    assert info.value.status == 500
     monkeypatch.undo()
     assert post(served.url, good_body())[0] == 200

@@ -3,6 +3,8 @@ reference model on the CPU -> sample -> publish the new KV -> usage.
 
 One request at a time (the HTTP layer holds a lock). KV lives in FP32 slot pools shared with the cache
 core's radix tree, so later requests reuse every version whose whole token-and-event history matches.
+A request takes all its KV slots at admission (prompt and decode) and gives back everything it holds
+when it fails at any later step, so a failure leaves the pool and the tree as they were.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import numpy as np
 import torch
 
 from akv.agent.templating import template_content_format
-from akv.system.cache import CacheCore, SlotPool
+from akv.system.cache import ActiveRequest, CacheCore, CacheFull, MatchResult, SlotPool
+from akv.system.cache.occurrence import plan_occurrences
 from akv.system.context.compiler import ProgramError, compile_program
 from akv.system.context.program import ContextProgram
-from akv.system.context.provenance import ChatTemplate, ProvenanceError, token_provenance
+from akv.system.context.provenance import ChatTemplate, token_provenance
 from akv.system.reference.executor import PagedKV, run_prefill
 from akv.system.reference.model import ReferenceModel
 from akv.system.reference.paged import forward_paged
@@ -34,14 +37,22 @@ DEFAULT_KV_SLOTS = 16384
 TOP_CANDIDATES = 20
 
 OnToken = Callable[[TokenStep, str], None]
+_NO_MATCH = MatchResult(n_tokens=0, n_records=0, slots=np.zeros((0, 1), np.int64),
+                        positions=np.zeros((0, 1), np.int64))
+
+
+class EngineBusy(RuntimeError):
+    """The KV pool cannot hold the request while other requests hold slots; it may fit later."""
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request rendered and compiled, ready to run; ``max_new_tokens`` respects the context limit."""
+    """A request rendered and compiled, ready to run; ``max_new_tokens`` respects the context limit,
+    and ``kv_slots`` (what a cold start of the request takes, decode included) fits the pool."""
 
     program: ContextProgram
     max_new_tokens: int
+    kv_slots: int
 
 
 @dataclass(frozen=True)
@@ -77,34 +88,40 @@ class Engine:
                                                add_generation_prompt=True, **request.template_kwargs)
             provenance = token_provenance(owned, self.files.tokenizer)
             program = compile_program(provenance.token_ids, provenance.owners, request.rules, len(messages))
-        except (ProvenanceError, jinja2.TemplateError) as exc:
-            raise RequestError("messages", f"{len(messages)} messages",
-                               f"the chat template cannot render them: {exc}") from exc
         except ProgramError as exc:
             raise RequestError("messages", f"{len(messages)} messages", f"cannot compile the request: {exc}") from exc
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:  # input the template cannot take
+            raise RequestError("messages", f"{len(messages)} messages",
+                               f"the chat template cannot render them: {exc}") from exc
         room = self.max_context - program.next_position
         if room < 1:
             raise RequestError("messages", program.n_prompt, f"the prompt needs position {program.next_position}, "
                                f"beyond this model's maximum context length of {self.max_context} tokens")
         max_new_tokens = min(room, request.sampling.max_tokens)
-        needed = program.n_tokens + max_new_tokens
-        if needed > self.pool.size:
-            raise RequestError("messages", program.n_prompt, f"the request needs {needed} KV slots, more than the "
-                               f"{self.pool.size} this server holds (maximum context length)")
-        return Prepared(program, max_new_tokens)
+        prompt_slots = plan_occurrences(program, _NO_MATCH).n_fresh
+        if prompt_slots > self.pool.size:
+            raise RequestError("messages", program.n_prompt, f"the prompt needs {prompt_slots} KV slots, more than "
+                               f"the {self.pool.size} this server holds (maximum context length)")
+        kv_slots = prompt_slots + max_new_tokens - 1  # the last generated token gets no KV
+        if kv_slots > self.pool.size:
+            field = request.sampling.max_tokens_field
+            raise RequestError(field, request.sampling.max_tokens, f"the prompt takes {prompt_slots} of the "
+                               f"{self.pool.size} KV slots this server holds, room for at most "
+                               f"{self.pool.size - prompt_slots + 1} new tokens")
+        return Prepared(program, max_new_tokens, kv_slots)
 
     def generate(self, prepared: Prepared, request: ChatRequest, on_token: OnToken | None) -> Generation:
         """Run the prompt through the cache plan, then decode; publishes all new KV to the tree."""
         program = prepared.program
-        active = self.cache.admit(program)
+        active, reserved = self._admit(program, prepared.max_new_tokens - 1)
         plan = active.plan
-        sampler = Sampler(request.sampling)
-        tracker = TextTracker(self.files.tokenizer, request.sampling.stop)
         ids: list[int] = []
         steps: list[TokenStep] = []
-        gen_slots: list[int] = []
+        used = 0
         finish = "length"
         try:
+            sampler = Sampler(request.sampling)
+            tracker = TextTracker(self.files.tokenizer, request.sampling.stop)
             logits = run_prefill(self.model, program, plan, self.kv)[program.n_tokens - 1]
             terminal_slots = torch.tensor(plan.terminal.slots, dtype=torch.int64)
             while True:
@@ -119,20 +136,19 @@ class Engine:
                     break
                 if len(ids) >= prepared.max_new_tokens:
                     break
-                gen_slots.append(int(self.cache.allocate(1)[0]))
-                slots = torch.cat((terminal_slots, torch.tensor(gen_slots, dtype=torch.int64)))
+                used += 1
+                slots = torch.cat((terminal_slots, torch.from_numpy(reserved[:used])))
                 logits = forward_paged(
-                    self.model, torch.tensor([ids[-1]]), torch.tensor([program.next_position + len(gen_slots) - 1]),
-                    self.kv.k, self.kv.v, torch.tensor([gen_slots[-1]]),
+                    self.model, torch.tensor([ids[-1]]), torch.tensor([program.next_position + used - 1]),
+                    self.kv.k, self.kv.v, torch.from_numpy(reserved[used - 1 : used]),
                     torch.tensor([0, slots.numel()]), slots,
                 )[0]
+            self.cache.finish(active, np.asarray(ids[:used], dtype=np.int64), reserved[:used])
         except BaseException:
+            self.pool.decref(reserved)
             self.cache.abort(active)
-            if gen_slots:
-                self.pool.decref(np.asarray(gen_slots, dtype=np.int64))
             raise
-        published = np.asarray(ids[: len(gen_slots)], dtype=np.int64)
-        self.cache.finish(active, published, np.asarray(gen_slots, dtype=np.int64))
+        self.pool.decref(reserved[used:])
         usage = plan.usage
         return Generation(
             token_ids=tuple(ids),
@@ -141,6 +157,27 @@ class Engine:
             finish_reason=finish,
             usage=PromptUsage(program.n_prompt, usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens),
         )
+
+    def _admit(self, program: ContextProgram, n_decode: int) -> tuple[ActiveRequest, np.ndarray]:
+        """Admit ``program`` and reserve ``n_decode`` slots for its generated KV. When the pool is short
+        after locking the matched prefix, the tree is flushed and the request admitted cold (which
+        :meth:`prepare` checked fits an empty pool); :class:`EngineBusy` when other requests hold the rest."""
+        try:
+            return self._admit_once(program, n_decode)
+        except CacheFull:
+            self.cache.flush()
+        try:
+            return self._admit_once(program, n_decode)
+        except CacheFull as exc:
+            raise EngineBusy(f"the KV pool is held by {self.cache.active} other requests: {exc}") from exc
+
+    def _admit_once(self, program: ContextProgram, n_decode: int) -> tuple[ActiveRequest, np.ndarray]:
+        active = self.cache.admit(program)
+        try:
+            return active, self.cache.allocate(n_decode)
+        except BaseException:
+            self.cache.abort(active)
+            raise
 
     def _step(self, logits: torch.Tensor, sampler: Sampler) -> TokenStep:
         logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)

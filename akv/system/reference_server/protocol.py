@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,13 +21,25 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 128
+MAX_JSON_DEPTH = 64
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+# Names the renderer (and HF ``apply_chat_template``) binds itself: not settable through chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "chat_template", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "akvprovenancemark",
+})
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # Accepted for compatibility; the reference server has nothing to do with them.
 IGNORED_FIELDS = frozenset({
     "user", "metadata", "store", "parallel_tool_calls", "service_tier", "response_format", "modalities",
 })
 # Accepted only at their neutral value.
-NEUTRAL_FIELDS: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "n": 1, "logit_bias": None}
+NEUTRAL_FIELDS: dict[str, tuple[Any, tuple[type, ...]]] = {
+    "presence_penalty": (0, (int, float)), "frequency_penalty": (0, (int, float)), "n": (1, (int,)),
+    "logit_bias": (None, (type(None),)),
+}
 KNOWN_FIELDS = frozenset({
     "model", "messages", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
     "max_completion_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
@@ -53,6 +66,7 @@ class Sampling:
     seed: int | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = ()
+    max_tokens_field: str = "max_tokens"
 
 
 @dataclass(frozen=True)
@@ -80,11 +94,12 @@ def parse_chat_request(body: Any, served_model: str, content_format: str = "stri
     chat template's (see :func:`akv.agent.templating.template_content_format`)."""
     if not isinstance(body, Mapping):
         raise RequestError("body", _short(body), f"expected a JSON object, got {type(body).__name__}")
+    _check_json(body)
     for key in body:
         if key not in KNOWN_FIELDS:
             raise RequestError(key, _short(body[key]), f"unknown field {key!r}")
-    for key, neutral in NEUTRAL_FIELDS.items():
-        if key in body and body[key] != neutral:
+    for key, (neutral, types) in NEUTRAL_FIELDS.items():
+        if key in body and not (type(body[key]) in types and body[key] == neutral):
             raise RequestError(key, body[key], f"only {neutral!r} is supported by the reference server")
     if body.get("drop_rule") is not None:
         raise RequestError("drop_rule", _short(body["drop_rule"]), "drop_rule is not supported; use drop_message")
@@ -128,6 +143,10 @@ def parse_chat_request(body: Any, served_model: str, content_format: str = "stri
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise RequestError("chat_template_kwargs", _short(kwargs), "expected an object")
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise RequestError(f"chat_template_kwargs.{key}", _short(kwargs[key]),
+                               f"{key!r} is set by the server, not through chat_template_kwargs")
 
     return ChatRequest(
         model=model,
@@ -159,9 +178,20 @@ def _messages(value: Any, content_format: str) -> tuple[dict[str, Any], ...]:
             needs = "content or tool_calls" if role == "assistant" else "content"
             raise RequestError(f"{field}.content", None, f"{role} message needs {needs}")
     try:
-        return tuple(template_messages(value, content_format=content_format))
+        messages = template_messages(value, content_format=content_format)
     except TemplateInputError as exc:
         raise RequestError(exc.field, _short(exc.value), exc.problem) from exc
+    except RecursionError as exc:
+        raise RequestError("messages", f"{len(value)} messages", "nested too deeply to render") from exc
+    for i, message in enumerate(messages):
+        _check_json(message, f"messages[{i}]")
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            name = (call.get("function") or {}).get("name")
+            if not isinstance(name, str) or not name:
+                raise RequestError(f"messages[{i}].tool_calls[{j}].function.name", _short(name),
+                                   "a tool call needs a non-empty function name")
+    _check_tool_results(messages)
+    return tuple(messages)
 
 
 def _tools(value: Any, tool_choice: Any) -> tuple[dict[str, Any], ...]:
@@ -181,15 +211,16 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
     if top_p == 0.0:
         raise RequestError("top_p", top_p, "must be greater than 0")
     seed = body.get("seed")
-    if seed is not None and type(seed) is not int:
-        raise RequestError("seed", seed, "expected an int")
-    max_tokens = DEFAULT_MAX_TOKENS
+    low, high = SEED_RANGE
+    if seed is not None and (type(seed) is not int or not low <= seed <= high):
+        raise RequestError("seed", _short(seed), "expected an int in [-2**63, 2**64 - 1]")
+    max_tokens, max_tokens_field = DEFAULT_MAX_TOKENS, "max_tokens"
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if value is not None:
             if type(value) is not int or value <= 0:
-                raise RequestError(key, value, "expected a positive int")
-            max_tokens = value
+                raise RequestError(key, _short(value), "expected a positive int")
+            max_tokens, max_tokens_field = value, key
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -201,7 +232,47 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
         raise RequestError("stop", _short(stop), f"expected a string or up to {MAX_STOP_STRINGS} non-empty strings")
     if "" in stops:
         raise RequestError("stop", stop, "stop strings must be non-empty")
-    return Sampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=stops)
+    return Sampling(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=stops,
+                    max_tokens_field=max_tokens_field)
+
+
+def _check_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Every tool message answers a call of the assistant message its run of tool messages follows."""
+    calls_at, ids = -1, list[Any]()
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "assistant" and message.get("tool_calls"):
+            calls_at, ids = i, [call.get("id") for call in message["tool_calls"]]
+        elif role == "tool":
+            if calls_at < 0:
+                raise RequestError(f"messages[{i}]", "tool", "a tool result must follow an assistant message "
+                                   "with tool_calls (and only other tool results)")
+            call_id = message.get("tool_call_id")
+            if call_id is not None and None not in ids and call_id not in ids:
+                raise RequestError(f"messages[{i}].tool_call_id", _short(call_id),
+                                   f"matches no tool call of messages[{calls_at}] (ids {sorted(map(str, ids))})")
+        else:
+            calls_at, ids = -1, []
+
+
+def _check_json(body: Any, root: str = "") -> None:
+    """Bounded nesting and no lone surrogates anywhere (neither survives rendering or tokenising)."""
+    stack: list[tuple[str, Any, int]] = [(root, body, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(path, "...", f"nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise RequestError(path or "body", _short(value, 60), "a lone UTF-16 surrogate is not text")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else str(key)
+                if _LONE_SURROGATE.search(str(key)):
+                    raise RequestError(path or "body", _short(key, 60), "a lone UTF-16 surrogate is not text")
+                stack.append((name, item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, *, low: float, high: float) -> float:

@@ -2,18 +2,23 @@
 
 Requests are parsed and answered concurrently, but the engine runs one request at a time (a lock).
 A bad request gets HTTP 400 naming the field before the engine is touched, so it cannot disturb the
-cache or other requests.
+cache or other requests. No socket is written while the lock is held: a streamed reply goes through a
+writer thread, and every read and write has a timeout, so a slow, stalled or vanished client costs
+only its own request.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import socket
+import sys
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from akv.system.reference_server.engine import Engine, Generation, Prepared
+from akv.system.reference_server.engine import Engine, EngineBusy, Generation
 from akv.system.reference_server.protocol import ChatRequest, RequestError, parse_chat_request
 from akv.system.reference_server.responses import (
     ResponseIds,
@@ -26,16 +31,25 @@ from akv.system.reference_server.responses import (
 from akv.system.reference_server.tool_calls import ContentStreamer, split_tool_calls
 
 MAX_BODY_BYTES = 64 << 20
+DEFAULT_IO_TIMEOUT = 60.0
+
+
+class ClientGone(Exception):
+    """The client stopped reading (a write failed or timed out); its request is abandoned."""
 
 
 class ReferenceServer(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` bound to one :class:`Engine`; ``url`` is its base URL."""
+    """``ThreadingHTTPServer`` bound to one :class:`Engine`; ``url`` is its base URL. Each socket read or
+    write that waits longer than ``io_timeout`` seconds drops that client."""
 
     daemon_threads = True
+    request_queue_size = max(128, socket.SOMAXCONN)
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False) -> None:
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False,
+                 io_timeout: float = DEFAULT_IO_TIMEOUT) -> None:
         self.engine = engine
         self.verbose = verbose
+        self.io_timeout = io_timeout
         self.engine_lock = threading.Lock()
         super().__init__((host, port), _Handler)
 
@@ -50,14 +64,71 @@ class ReferenceServer(ThreadingHTTPServer):
         thread.start()
         return thread
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away or timed out is one log line; anything else keeps its traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            sys.stderr.write(f"akv-reference: client {client_address[0]}:{client_address[1]} dropped: {error!r}\n")
+        else:
+            super().handle_error(request, client_address)
+
+
+class _StreamWriter:
+    """Writes a reply's chunks to the client from its own thread, so the engine never waits on a socket.
+
+    ``put`` raises :class:`ClientGone` once a write has failed, which stops the generation feeding it."""
+
+    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
+        self._handler = handler
+        self._wfile = handler.wfile
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._failed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def put(self, data: bytes) -> None:
+        if self._failed.is_set():
+            raise ClientGone("the client stopped reading the stream")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="akv-stream-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(data)
+
+    def close(self) -> None:
+        """Wait until everything queued is written or the client is dropped."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._failed.is_set():
+                continue
+            try:
+                self._wfile.write(data)
+                self._wfile.flush()
+            except OSError as exc:
+                self._failed.set()
+                self._handler.log_error("stream dropped: %r", exc)
+
 
 class _Handler(BaseHTTPRequestHandler):
     server: ReferenceServer
     server_version = "akv-reference"
 
+    def setup(self) -> None:
+        self.timeout = self.server.io_timeout
+        super().setup()
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
         if self.server.verbose:
             super().log_message(format, *args)
+
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib signature)
+        super().log_message(format, *args)
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -80,23 +151,19 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             request = parse_chat_request(self._read_json(), self.server.engine.model_name,
                                          self.server.engine.content_format)
-            with self.server.engine_lock:
-                try:
-                    prepared = self.server.engine.prepare(request)
-                except RequestError:
-                    raise
-                except Exception as exc:  # a bug, not the client's fault: report it, keep serving
-                    self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {exc!r}", param=None,
-                                kind="server_error")
-                    return
-                if request.stream:
-                    self._stream(request, prepared)
-                else:
-                    self._complete(request, prepared)
+            if request.stream:
+                self._stream(request)
+            else:
+                self._complete(request)
         except RequestError as exc:
             self._error(HTTPStatus.BAD_REQUEST, str(exc), param=exc.field)
-        except (BrokenPipeError, ConnectionResetError):
-            return
+        except _BodyTimeout as exc:
+            self._error(HTTPStatus.REQUEST_TIMEOUT, str(exc), param="Content-Length")
+        except EngineBusy as exc:
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, f"server busy, retry later: {exc}", param=None,
+                        kind="server_error")
+        except ClientGone:
+            self.close_connection = True
 
     def _read_json(self) -> Any:
         length = self.headers.get("Content-Length")
@@ -104,76 +171,121 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError("Content-Length", length, "a JSON body with a Content-Length header is required")
         if int(length) > MAX_BODY_BYTES:
             raise RequestError("Content-Length", int(length), f"body larger than {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(int(length))
+        try:
+            raw = self.rfile.read(int(length))
+        except TimeoutError as exc:
+            self.close_connection = True
+            raise _BodyTimeout(f"Content-Length: the body did not arrive within {self.server.io_timeout} s "
+                               f"(expected {int(length)} bytes)") from exc
+        if len(raw) < int(length):
+            self.close_connection = True
+            raise RequestError("Content-Length", int(length), f"the body ended after {len(raw)} bytes")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError("body", raw[:100].decode("utf-8", "replace"), f"not valid JSON ({exc})") from exc
+        except RecursionError as exc:
+            raise RequestError("body", raw[:100].decode("utf-8", "replace"), "JSON nested too deeply") from exc
 
-    def _complete(self, request: ChatRequest, prepared: Prepared) -> None:
+    def _complete(self, request: ChatRequest) -> None:
+        engine = self.server.engine
         try:
-            generation = self.server.engine.generate(prepared, request, on_token=None)
-        except Exception as exc:  # the engine failed: report it, keep serving
+            with self.server.engine_lock:
+                generation = engine.generate(engine.prepare(request), request, on_token=None)
+            body = _completion(request, generation)
+        except (RequestError, EngineBusy):
+            raise
+        except Exception as exc:  # the engine or the reply failed: report it, keep serving
             self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {exc!r}", param=None, kind="server_error")
             return
-        content, calls = _final_message(request, generation)
-        ids = ResponseIds(request.model)
-        logprobs = logprob_entries(generation.steps, request.top_logprobs) if request.logprobs else None
-        body = ids.completion(content, calls, _finish_reason(generation, calls),
-                              usage_body(generation.usage, len(generation.steps)), logprobs)
         self._json(HTTPStatus.OK, body)
 
-    def _stream(self, request: ChatRequest, prepared: Prepared) -> None:
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
+    def _stream(self, request: ChatRequest) -> None:
+        """Headers go out with the first token, so a failure before it is still a plain HTTP error."""
         self.close_connection = True
         ids = ResponseIds(request.model)
         streamer = ContentStreamer(request.parse_tool_calls)
-        self._event(ids.chunk({"role": "assistant", "content": ""}))
+        writer = _StreamWriter(self)
 
         def on_token(step: TokenStep, text: str) -> None:
+            head = b""
+            if not writer.started:
+                head = self._stream_head() + _event(ids.chunk({"role": "assistant", "content": ""}))
             delta = streamer.feed(text)
             logprobs = logprob_entries([step], request.top_logprobs) if request.logprobs else None
-            if delta or logprobs:
-                self._event(ids.chunk({"content": delta}, logprobs=logprobs))
+            chunk = _event(ids.chunk({"content": delta}, logprobs=logprobs)) if delta or logprobs else b""
+            if head or chunk:
+                writer.put(head + chunk)
 
+        engine = self.server.engine
         try:
-            generation = self.server.engine.generate(prepared, request, on_token=on_token)
-        except (BrokenPipeError, ConnectionResetError):
-            raise
-        except Exception as exc:  # the engine failed mid-stream: an error event, no [DONE]
-            self._event(error_body(f"engine error: {exc!r}", param=None, status=500, kind="server_error"))
-            return
-        content, calls = _final_message(request, generation)
-        rest = streamer.rest(content)
-        if rest:
-            self._event(ids.chunk({"content": rest}))
-        if calls:
-            self._event(ids.chunk({"tool_calls": stream_tool_call_deltas(calls)}))
-        self._event(ids.chunk({}, finish_reason=_finish_reason(generation, calls)))
-        if request.include_usage:
-            self._event(ids.usage_chunk(usage_body(generation.usage, len(generation.steps))))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+            try:
+                with self.server.engine_lock:
+                    generation = engine.generate(engine.prepare(request), request, on_token=on_token)
+                tail = _stream_tail(request, ids, streamer, generation)
+            except (RequestError, EngineBusy, ClientGone):
+                raise
+            except Exception as exc:  # the engine or the reply failed: report it, keep serving
+                if not writer.started:
+                    self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"engine error: {exc!r}", param=None,
+                                kind="server_error")
+                else:  # mid-stream: an error event, no [DONE]
+                    writer.put(_event(error_body(f"engine error: {exc!r}", param=None, status=500,
+                                                 kind="server_error")))
+                return
+            writer.put(tail)
+        finally:
+            writer.close()
 
-    def _event(self, payload: dict[str, Any]) -> None:
-        self.wfile.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n")
-        self.wfile.flush()
+    def _stream_head(self) -> bytes:
+        self.log_request(HTTPStatus.OK)
+        lines = [f"{self.protocol_version} 200 OK", f"Server: {self.version_string()}",
+                 f"Date: {self.date_time_string()}", "Content-Type: text/event-stream", "Cache-Control: no-cache",
+                 "Connection: close"]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def _json(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
         data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if status == HTTPStatus.SERVICE_UNAVAILABLE:
+            self.send_header("Retry-After", "1")
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, status: HTTPStatus, message: str, *, param: str | None,
                kind: str = "invalid_request_error") -> None:
         self._json(status, error_body(message, param=param, status=int(status), kind=kind))
+
+
+class _BodyTimeout(Exception):
+    """The request body did not arrive in time."""
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def _completion(request: ChatRequest, generation: Generation) -> dict[str, Any]:
+    content, calls = _final_message(request, generation)
+    logprobs = logprob_entries(generation.steps, request.top_logprobs) if request.logprobs else None
+    return ResponseIds(request.model).completion(content, calls, _finish_reason(generation, calls),
+                                                 usage_body(generation.usage, len(generation.steps)), logprobs)
+
+
+def _stream_tail(request: ChatRequest, ids: ResponseIds, streamer: ContentStreamer,
+                 generation: Generation) -> bytes:
+    content, calls = _final_message(request, generation)
+    rest = streamer.rest(content)
+    out = [_event(ids.chunk({"content": rest}))] if rest else []
+    if calls:
+        out.append(_event(ids.chunk({"tool_calls": stream_tool_call_deltas(calls)})))
+    out.append(_event(ids.chunk({}, finish_reason=_finish_reason(generation, calls))))
+    if request.include_usage:
+        out.append(_event(ids.usage_chunk(usage_body(generation.usage, len(generation.steps)))))
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out)
 
 
 def _final_message(request: ChatRequest, generation: Generation) -> tuple[str | None, list[dict[str, Any]]]:

@@ -1,0 +1,227 @@
+"""Misbehaving connections cost only themselves: a client that stops reading a stream does not block
+other clients and is dropped after the I/O timeout with its request released; bursts of simultaneous
+connections are all served; half-open or vanished connections end with one log line, no traceback."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import struct
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from akv.system.reference_server import Engine, ReferenceServer
+
+MODEL = "tiny-test"
+IO_TIMEOUT = 1.0
+WAIT = 60.0  # an upper bound for things that must happen, never a performance claim
+
+
+class SmallBuffers(ReferenceServer):
+    """Small kernel send buffers, so that a client which stops reading stalls the server's writes soon."""
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        connection, address = super().get_request()
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return connection, address
+
+
+@dataclasses.dataclass(frozen=True)
+class Live:
+    server: ReferenceServer
+    engine: Engine
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir: Path) -> Iterator[Live]:
+    engine = Engine(tiny_model_dir, name=MODEL, kv_slots=8192)
+    server = SmallBuffers(engine, io_timeout=IO_TIMEOUT)
+    server.start_in_background()
+    try:
+        yield Live(server, engine)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def payload(**extra: Any) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say something."}],
+                       "max_tokens": 4, **extra}).encode()
+
+
+def post_bytes(body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode() + body
+
+
+def complete(live: Live, timeout: float = WAIT) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{live.port}/v1/chat/completions", data=payload(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.status
+
+
+def read_all(sock: socket.socket) -> bytes:
+    sock.settimeout(WAIT)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def wait_until(condition: Any) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def writing() -> bool:
+    """A reply stream is being written (its writer thread is alive)."""
+    return any(thread.name == "akv-stream-writer" for thread in threading.enumerate())
+
+
+def nothing_held_outside_the_tree(engine: Engine) -> bool:
+    counted = np.bincount(engine.cache.tree.resident_slots(), minlength=engine.pool.size + 1)[1:]
+    refs = engine.pool.refcount(np.arange(1, engine.pool.size + 1))
+    return engine.cache.active == 0 and bool((refs == counted).all())
+
+
+def reset(sock: socket.socket) -> None:
+    """Vanish: close with an RST instead of a FIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_a_client_that_stops_reading_does_not_block_others(live: Live, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    engine = live.engine
+    monkeypatch.setattr(engine, "files", dataclasses.replace(engine.files, eos_token_ids=frozenset()))
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", live.port))
+    # Far more than the socket buffers hold: a few kB per token with 20 alternatives each.
+    stalled.sendall(post_bytes(payload(stream=True, max_tokens=200, logprobs=True, top_logprobs=20)))
+    wait_until(lambda: engine.cache.active == 1 or writing())  # the stalled request got to the engine first
+    assert complete(live) == 200  # served while the stalled stream is still pending
+    wait_until(lambda: not writing())
+    received = read_all(stalled)
+    stalled.close()
+    assert received.startswith(b"HTTP/1.0 200") and b"data: [DONE]" not in received  # dropped mid-stream
+    assert capsys.readouterr().err.count("stream dropped: TimeoutError") == 1
+    assert nothing_held_outside_the_tree(engine)
+    assert complete(live) == 200
+
+
+def test_a_vanished_stream_client_releases_its_request(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = live.engine
+    monkeypatch.setattr(engine, "files", dataclasses.replace(engine.files, eos_token_ids=frozenset()))
+    start = engine.pool.refcount(np.arange(1, engine.pool.size + 1)).tolist(), engine.cache.tree.stats()
+    sock = socket.create_connection(("127.0.0.1", live.port))
+    sock.sendall(post_bytes(payload(stream=True, max_tokens=2000, messages=[
+        {"role": "user", "content": "A request nobody will read."}])))
+    head = b""
+    while len(head) < 12:
+        head += sock.recv(12 - len(head))
+    assert head == b"HTTP/1.0 200"  # the stream has started
+    reset(sock)
+    wait_until(lambda: engine.cache.active == 0)
+    # Abandoned before it finished: nothing published, every slot back.
+    assert (engine.pool.refcount(np.arange(1, engine.pool.size + 1)).tolist(), engine.cache.tree.stats()) == start
+    assert complete(live) == 200
+
+
+def test_a_burst_of_connections_is_served(tiny_model_dir: Path) -> None:
+    engine = Engine(tiny_model_dir, name=MODEL, kv_slots=256)
+    server = ReferenceServer(engine, io_timeout=IO_TIMEOUT)
+    n = 64
+    sockets: list[socket.socket | None] = [None] * n
+
+    def connect(i: int) -> None:
+        try:
+            sockets[i] = socket.create_connection(server.server_address[:2], timeout=2.0)
+        except OSError:
+            pass
+
+    try:
+        # All connect while the server is not accepting yet: they wait in the listen backlog.
+        threads = [threading.Thread(target=connect, args=(i,)) for i in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        server.start_in_background()
+        replies = []
+        for sock in sockets:
+            if sock is None:
+                replies.append(b"")
+                continue
+            sock.settimeout(WAIT)
+            sock.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            replies.append(read_all(sock))
+            sock.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [r.split(b"\r\n", 1)[0] for r in replies] == [b"HTTP/1.0 200 OK"] * n
+
+
+def test_a_half_open_connection_is_closed_after_the_timeout(live: Live, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
+        sock.sendall(b"POST /v1/chat/co")  # then nothing more
+        assert read_all(sock) == b""  # the server hung up
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
+        sock.sendall(post_bytes(payload()[:10], content_length=len(payload())))
+        reply = read_all(sock)
+    assert reply.startswith(b"HTTP/1.0 408")
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["param"] == "Content-Length"
+    assert complete(live) == 200
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_body_shorter_than_its_content_length_is_a_400(live: Live) -> None:
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:
+        sock.sendall(post_bytes(payload()[:10], content_length=len(payload())))
+        sock.shutdown(socket.SHUT_WR)
+        reply = read_all(sock)
+    assert reply.startswith(b"HTTP/1.0 400")
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["param"] == "Content-Length" and "ended after 10 bytes" in error["message"]
+
+
+def test_a_vanished_connection_is_one_log_line(live: Live, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    for partial in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n",  # inside the headers
+                    post_bytes(b'{"model": ', content_length=500)):  # inside the body
+        sock = socket.create_connection(("127.0.0.1", live.port))
+        sock.sendall(partial)
+        time.sleep(0.2)  # let the server start reading before the reset arrives
+        reset(sock)
+    err = [""]
+
+    def two_lines() -> bool:
+        err[0] += capsys.readouterr().err
+        return err[0].count("akv-reference: client") >= 2
+
+    wait_until(two_lines)
+    assert complete(live) == 200
+    err[0] += capsys.readouterr().err
+    assert "Traceback" not in err[0]
+    dropped = [line.split(" dropped: ")[1] for line in err[0].splitlines() if line.startswith("akv-reference: client")]
+    assert dropped == ["ConnectionResetError(104, 'Connection reset by peer')"] * 2
