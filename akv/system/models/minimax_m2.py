@@ -206,7 +206,7 @@ def _write_common(out_dir: str | Path, shape: MiniMaxM2Shape, *, fp8: bool, dtyp
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(shape.vocab_size, ADDED_TOKENS)
-    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     ids = {content: tokenizer.token_to_id(content) for content, _ in ADDED_TOKENS}
     config = model_config(shape, ids, fp8=fp8, dtype=dtype)
     check_supported(config)
