@@ -13,7 +13,7 @@ import torch
 
 from akv.system.models.minimax_m2 import ARCHITECTURE, UnsupportedMiniMaxError, check_supported
 from akv.system.reference.model import AttentionInputs, ConfigError, ModelConfig, ReferenceModel
-from akv.system.reference.rope import rotate
+from akv.system.reference.rope import rerotate, rotate
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,11 @@ class MiniMaxM2Model(ReferenceModel):
         """NeoX RoPE of the first ``rotary_dim`` dims of each head; the rest pass through unchanged."""
         c = self.config
         return rotate(x, positions, theta=c.rope_theta, rotary_dim=c.rotary_dim, neox=True).to(self.dtype)
+
+    def rerotate(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+        """``R(new) R(old)^-1`` on the first ``rotary_dim`` dims in FP32; the rest is returned unchanged."""
+        c = self.config
+        return rerotate(k, old_positions, new_positions, theta=c.rope_theta, rotary_dim=c.rotary_dim, neox=True)
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the routed MoE block of ``layer``."""
