@@ -116,3 +116,21 @@ def test_cached_template_is_checked(tmp_path: Path) -> None:
         sdist_templates.official_template("MiniMax-M2.jinja", cache=tmp_path)
     with pytest.raises(ValueError, match="name must be one of"):
         sdist_templates.official_template("Nope.jinja", cache=tmp_path)
+
+
+def test_seed_changes_only_the_weights_and_bfloat16_keeps_the_routing_bias_fp32(tmp_path: Path) -> None:
+    from akv.system.models.minimax_m2 import make_minimax_m2_tiny
+
+    try:
+        a = make_minimax_m2_tiny(tmp_path / "a", seed=1)
+    except sdist_templates.TemplateFetchError as exc:
+        pytest.skip(f"official MiniMax-M2 template unavailable: {exc}")
+    b = make_minimax_m2_tiny(tmp_path / "b", seed=2, dtype="bfloat16")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert _config(a) == {**_config(b), "torch_dtype": "float32"}
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert wb["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert wb["model.layers.0.block_sparse_moe.e_score_correction_bias"].dtype == torch.float32
+    assert not torch.equal(wa["lm_head.weight"], wb["lm_head.weight"].float())
