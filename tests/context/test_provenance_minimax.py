@@ -50,7 +50,8 @@ SYSTEM = {"role": "system", "content": "You are terse."}
 # user, assistant (reasoning + two calls), two tool results, assistant (inline <think>), user.
 TURNS = [
     {"role": "user", "content": "Weather in Paris and 東京?"},
-    {"role": "assistant", "content": "", "reasoning_content": "Call both.", "tool_calls": [_call("Paris"), _call("東京")]},
+    {"role": "assistant", "content": "", "reasoning_content": "Call both.",
+     "tool_calls": [_call("Paris"), _call("東京")]},
     {"role": "tool", "tool_call_id": "Paris", "content": "22°C"},
     {"role": "tool", "tool_call_id": "東京", "content": "18°C 🦜"},
     {"role": "assistant", "content": "<think>\nSum up.\n</think>\n\nParis 22°C, 東京 18°C."},
@@ -125,7 +126,8 @@ def test_out_of_loop_system_message_owns_its_closing_marker_and_the_tool_list(te
 def test_without_system_message_the_default_system_block_goes_to_message_0(template_source: str) -> None:
     spans = _spans(ChatTemplate(template_source).render_owned(TURNS[:1], tools=TOOLS))
     assert spans == [
-        "]~!b[]~b]system\nYou are a helpful assistant." + TOOLS_BLOCK + "[e~[\n]~b]user\nWeather in Paris and 東京?[e~[\n",
+        "]~!b[]~b]system\nYou are a helpful assistant." + TOOLS_BLOCK
+        + "[e~[\n]~b]user\nWeather in Paris and 東京?[e~[\n",
         "]~b]ai\n<think>\n",
     ]
 

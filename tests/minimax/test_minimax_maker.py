@@ -38,7 +38,8 @@ def test_transformers_loads_every_tensor_and_rotates_only_rotary_dim(minimax_dir
     stored = load_file(str(minimax_dir / "model.safetensors"))
     assert torch.equal(state["model.layers.1.mlp.e_score_correction_bias"],
                        stored["model.layers.1.block_sparse_moe.e_score_correction_bias"])
-    assert torch.equal(state["model.layers.0.self_attn.q_norm.weight"], stored["model.layers.0.self_attn.q_norm.weight"])
+    q_norm = "model.layers.0.self_attn.q_norm.weight"
+    assert torch.equal(state[q_norm], stored[q_norm])
     assert state["model.layers.0.self_attn.q_norm.weight"].shape == (4 * 128,)  # one norm over all q heads
     # 32 frequencies = rotary_dim 64 of head_dim 128 (without partial_rotary_factor transformers has 64)
     assert model.model.rotary_emb.inv_freq.shape == (32,)
@@ -63,7 +64,8 @@ def test_tokenizer_and_official_template(minimax_dir: Path) -> None:
         assert tokenizer.decode(ids, skip_special_tokens=True) == ("xy" if special else "x" + content + "y")
     source = (minimax_dir / "chat_template.jinja").read_bytes()
     assert hashlib.sha256(source).hexdigest() == sdist_templates.TEMPLATE_SHA256["MiniMax-M2.jinja"]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    hi = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(hi, tokenize=False, add_generation_prompt=True)
     assert text == "]~!b[]~b]system\nYou are a helpful assistant.[e~[\n]~b]user\nHi[e~[\n]~b]ai\n<think>\n"
     vocab = json.loads((minimax_dir / "config.json").read_text())["vocab_size"]
     assert len(tokenizer) == vocab

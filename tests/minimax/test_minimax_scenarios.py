@@ -132,8 +132,9 @@ def test_oracle_equals_transformers_with_masks_and_partially_rerotated_cache(min
     assert (unchanged.logits[9:] - result.logits[9:]).abs().max() > 1e-2, "the events must matter"
 
 
-TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
-                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+PATH_ARGUMENT = {"type": "object", "properties": {"path": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "read_file", "description": "Read a file", "parameters": PATH_ARGUMENT}}]
 
 
 def _read(path: str) -> dict:
@@ -143,7 +144,8 @@ def _read(path: str) -> dict:
 CHAT = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "Summarise a.py and b.py."},
-    {"role": "assistant", "content": "", "reasoning_content": "Read both.", "tool_calls": [_read("a.py"), _read("b.py")]},
+    {"role": "assistant", "content": "", "reasoning_content": "Read both.",
+     "tool_calls": [_read("a.py"), _read("b.py")]},
     {"role": "tool", "content": "def a():\n    return 1\n"},
     {"role": "tool", "content": "def b():\n    return 2\n"},
     {"role": "assistant", "content": "<think>\nBoth tiny.\n</think>\n\na returns 1, b returns 2."},

@@ -128,7 +128,8 @@ class MiniMaxM2Model(ReferenceModel):
                      "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                      "self_attn.q_norm.weight", "self_attn.k_norm.weight", "block_sparse_moe.gate.weight",
                      "block_sparse_moe.e_score_correction_bias"]
-        per_layer += [f"block_sparse_moe.experts.{e}.{w}.weight" for e in range(c.num_experts) for w in ("w1", "w2", "w3")]
+        per_layer += [f"block_sparse_moe.experts.{e}.{w}.weight"
+                      for e in range(c.num_experts) for w in ("w1", "w2", "w3")]
         names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
         return names + [f"model.layers.{i}.{n}" for i in range(c.num_layers) for n in per_layer]
 
