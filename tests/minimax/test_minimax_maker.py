@@ -136,3 +136,8 @@ def test_seed_changes_only_the_weights_and_bfloat16_keeps_the_routing_bias_fp32(
     assert wb["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert wb["model.layers.0.block_sparse_moe.e_score_correction_bias"].dtype == torch.float32
     assert not torch.equal(wa["lm_head.weight"], wb["lm_head.weight"].float())
+
+
+def test_cli_names_a_bad_expert_count(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["minimax-m2-dummy", str(tmp_path / "d"), "--experts", "4"]) == 2
+    assert "num_experts_per_tok (8) exceeds num_local_experts (4)" in capsys.readouterr().err

@@ -49,12 +49,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     elif args.command.startswith("minimax-m2"):
         from akv.system.models import minimax_m2
+        from akv.system.models.sdist_templates import TemplateFetchError
 
-        if args.command == "minimax-m2-tiny":
-            out = minimax_m2.make_minimax_m2_tiny(args.out_dir, seed=args.seed, dtype=args.dtype)
-        else:
-            shape = replace(minimax_m2.DUMMY_62L_64E, num_local_experts=args.experts)
-            out = minimax_m2.make_minimax_m2_dummy(args.out_dir, shape=shape, fp8=not args.bf16)
+        try:
+            if args.command == "minimax-m2-tiny":
+                out = minimax_m2.make_minimax_m2_tiny(args.out_dir, seed=args.seed, dtype=args.dtype)
+            else:
+                shape = replace(minimax_m2.DUMMY_62L_64E, num_local_experts=args.experts)
+                out = minimax_m2.make_minimax_m2_dummy(args.out_dir, shape=shape, fp8=not args.bf16)
+        except (ValueError, TemplateFetchError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     else:
         from akv.system.models.tiny import make_tiny_model
 
