@@ -4,8 +4,10 @@ The chat template is rendered once with every output instrumented: an output emi
 message object is the value of an enclosing ``for`` target (or macro argument) belongs to that
 message; an output inside an ``{% if add_generation_prompt %}`` branch belongs to the reply
 (owner ``n_messages``); output before the first owned character (preamble such as the system
-block and tool list) belongs to message 0. The instrumented text, with its markers removed, must
-equal the plain render, and the plain text is encoded once, as SGLang does
+block and tool list) belongs to message 0, and so does output between a message 0 rendered outside
+the message loop (e.g. through a macro argument) and the next message. Output owned by no message
+is left unmarked, so templates can test and slice it. The instrumented text, with its markers
+removed, must equal the plain render, and the plain text is encoded once, as SGLang does
 (``add_special_tokens=False``). A token takes the owner of its first character; tokens whose
 characters span two owners are reported in ``boundary_tokens``. Anything else that would need a
 guess (unowned text between messages, messages rendered out of order, one message object listed
@@ -87,9 +89,11 @@ def _strftime_now(fmt: str) -> str:
 
 
 @jinja2.pass_context
-def _mark_filter(context: jinja2.runtime.Context, value: Any, candidates: tuple[Any, ...], reply: bool) -> str:
+def _mark_filter(
+    context: jinja2.runtime.Context, value: Any, candidates: tuple[Any, ...], loops: tuple[bool, ...], reply: bool
+) -> str:
     """Forward to the render's marker (filters are called directly, without the sandbox's call check)."""
-    return context.get(_MARK_FN)(value, candidates, reply)
+    return context.get(_MARK_FN)(value, candidates, loops, reply)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -141,9 +145,11 @@ class ChatTemplate:
         index = _identity_index(messages)
         nonce = secrets.token_hex(8)
 
-        def mark(value: Any, candidates: tuple[Any, ...], reply: bool) -> str:
-            owner = _REPLY if reply else _owner_of(candidates, index, messages)
-            return f"\x00{nonce}B{owner}\x00{str(value)}\x00{nonce}E\x00"
+        def mark(value: Any, candidates: tuple[Any, ...], loops: tuple[bool, ...], reply: bool) -> str:
+            owner, in_loop = (_REPLY, False) if reply else _owner_of(candidates, loops, index, messages)
+            if owner == _NONE:
+                return str(value)  # owns nothing: unmarked, so templates may slice and test it as plain text
+            return f"\x00{nonce}{'L' if in_loop else 'B'}{owner}\x00{str(value)}\x00{nonce}E\x00"
 
         raw = self._instrumented.render(
             messages=messages,
@@ -153,7 +159,7 @@ class ChatTemplate:
             **variables,
             **{_MARK_FN: mark},
         )
-        text, char_owners = _strip_markers(raw, nonce, len(messages))
+        text, char_owners, in_loop = _strip_markers(raw, nonce, len(messages))
         plain = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
         if text != plain:
             at = next((i for i, (a, b) in enumerate(zip(text, plain)) if a != b), min(len(text), len(plain)))
@@ -161,7 +167,7 @@ class ChatTemplate:
                 f"chat_template: instrumented render differs from the plain render at character {at} "
                 f"({text[at:at + 20]!r} vs {plain[at:at + 20]!r}); a filter rewrote template output"
             )
-        owners = _settle_owners(char_owners, text, len(messages))
+        owners = _settle_owners(char_owners, in_loop, text, len(messages))
         _check_rendered_elsewhere(messages, owners, text)
         return OwnedText(text=text, char_owners=owners, n_messages=len(messages))
 
@@ -225,23 +231,28 @@ def _identity_index(messages: Sequence[Mapping[str, Any]]) -> dict[int, int]:
     return index
 
 
-def _owner_of(candidates: tuple[Any, ...], index: dict[int, int], messages: Sequence[Any]) -> int:
-    for value in reversed(candidates):
+def _owner_of(
+    candidates: tuple[Any, ...], loops: tuple[bool, ...], index: dict[int, int], messages: Sequence[Any]
+) -> tuple[int, bool]:
+    """The innermost message in scope and whether a ``for`` target (not a macro argument) bound it."""
+    for value, in_loop in zip(reversed(candidates), reversed(loops)):
         i = index.get(id(value))
         if i is not None and messages[i] is value:
-            return i
-    return _NONE
+            return i, in_loop
+    return _NONE, False
 
 
 class _Instrumenter:
-    """Wraps every output expression in a call that records the innermost message in scope."""
+    """Wraps every output expression in a call that records the innermost message in scope.
 
-    def visit(self, node: nodes.Node, scope: tuple[str, ...], reply: bool) -> None:
+    ``scope`` holds ``(name, bound by a for loop)`` pairs, innermost last."""
+
+    def visit(self, node: nodes.Node, scope: tuple[tuple[str, bool], ...], reply: bool) -> None:
         if isinstance(node, nodes.Output):
             node.nodes = [self._wrap(child, scope, reply) for child in node.nodes]
             return
         if isinstance(node, nodes.For):
-            inner = scope + _target_names(node.target)
+            inner = scope + tuple((name, True) for name in _target_names(node.target))
             self.visit(node.iter, scope, reply)
             for child in node.body:
                 self.visit(child, inner, reply)
@@ -251,7 +262,7 @@ class _Instrumenter:
                 self.visit(node.test, inner, reply)
             return
         if isinstance(node, (nodes.Macro, nodes.CallBlock)):
-            inner = scope + tuple(arg.name for arg in node.args)
+            inner = scope + tuple((arg.name, False) for arg in node.args)
             for child in node.body:
                 self.visit(child, inner, reply)
             return
@@ -269,11 +280,12 @@ class _Instrumenter:
             self.visit(child, scope, reply)
 
     @staticmethod
-    def _wrap(child: nodes.Expr, scope: tuple[str, ...], reply: bool) -> nodes.Expr:
+    def _wrap(child: nodes.Expr, scope: tuple[tuple[str, bool], ...], reply: bool) -> nodes.Expr:
         if isinstance(child, nodes.TemplateData):
             child = nodes.Const(child.data)
-        candidates = nodes.Tuple([nodes.Name(name, "load") for name in scope], "load")
-        return nodes.Filter(child, _MARK_FILTER, [candidates, nodes.Const(reply)], [], None, None)
+        candidates = nodes.Tuple([nodes.Name(name, "load") for name, _ in scope], "load")
+        loops = nodes.Const(tuple(in_loop for _, in_loop in scope))
+        return nodes.Filter(child, _MARK_FILTER, [candidates, loops, nodes.Const(reply)], [], None, None)
 
 
 def _requires_generation(test: nodes.Node) -> bool:
@@ -294,36 +306,49 @@ def _target_names(target: nodes.Node) -> tuple[str, ...]:
     return tuple(n.name for n in target.find_all(nodes.Name))
 
 
-def _strip_markers(raw: str, nonce: str, n_messages: int) -> tuple[str, np.ndarray]:
-    """Remove the markers; per character, the innermost owned marker (-1 none, ``n_messages`` reply)."""
-    parts = re.split(f"\x00{nonce}(B-?[0-9]+|E)\x00", raw)
+def _strip_markers(raw: str, nonce: str, n_messages: int) -> tuple[str, np.ndarray, np.ndarray]:
+    """Remove the markers; per character, the innermost owned marker (-1 none, ``n_messages`` reply)
+    and whether any enclosing marker's message was bound by a ``for`` loop."""
+    parts = re.split(f"\x00{nonce}([BL]-?[0-9]+|E)\x00", raw)
     texts = parts[0::2]
     owners = [_NONE]
-    stack: list[int] = []
-    current = _NONE
+    loops = [False]
+    stack: list[tuple[int, bool]] = []
+    current, in_loop = _NONE, False
     for tag in parts[1::2]:
         if tag == "E":
             if not stack:
                 raise ProvenanceError("chat_template: output markers are unbalanced; a filter rewrote template output")
-            current = stack.pop()
+            current, in_loop = stack.pop()
         else:
-            stack.append(current)
+            stack.append((current, in_loop))
             code = int(tag[1:])
-            current = n_messages if code == _REPLY else current if code == _NONE else code
+            current = n_messages if code == _REPLY else code
+            in_loop = in_loop or tag[0] == "L"
         owners.append(current)
+        loops.append(in_loop)
     text = "".join(texts)
     if stack or "\x00" + nonce in text:
         raise ProvenanceError("chat_template: output markers are unbalanced; a filter rewrote template output")
     lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-    return text, np.repeat(np.asarray(owners, dtype=np.int64), lengths)
+    return (text, np.repeat(np.asarray(owners, dtype=np.int64), lengths),
+            np.repeat(np.asarray(loops, dtype=bool), lengths))
 
 
-def _settle_owners(char_owners: np.ndarray, text: str, n_messages: int) -> np.ndarray:
-    """Give the preamble to message 0; reject unowned text elsewhere and out-of-order owners."""
+def _settle_owners(char_owners: np.ndarray, in_loop: np.ndarray, text: str, n_messages: int) -> np.ndarray:
+    """Give the preamble, and the text right after a message 0 rendered outside the message loop, to
+    message 0; reject unowned text elsewhere and out-of-order owners."""
     owned = np.flatnonzero(char_owners != _NONE)
     first = int(owned[0]) if owned.size else len(text)
     if first and n_messages:
         char_owners[:first] = 0
+    zero = np.flatnonzero(char_owners[first:] == 0) + first
+    if zero.size and not in_loop[zero].any():
+        after = int(zero[-1]) + 1
+        others = np.flatnonzero(char_owners[after:] != _NONE)
+        end = after + int(others[0]) if others.size else len(text)
+        if end == len(text) or char_owners[end] != 0:
+            char_owners[after:end] = 0
     unowned = np.flatnonzero(char_owners == _NONE)
     if unowned.size:
         at = int(unowned[0])

@@ -51,7 +51,9 @@ class RopeSpec:
             raise ValueError("config has no rope_theta (neither top-level nor in rope_parameters)")
         head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
         factor = params.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
-        return cls(theta=float(theta), head_dim=int(head_dim), rotary_dim=int(head_dim * factor), neox=neox)
+        # MiniMax-M2 configs name ``rotary_dim``, which SGLang honours (transformers reads only the factor).
+        rotary_dim = get("rotary_dim") or int(head_dim * factor)
+        return cls(theta=float(theta), head_dim=int(head_dim), rotary_dim=int(rotary_dim), neox=neox)
 
     def cos_sin_table(self, max_position: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """FP32 ``[max_position, rotary_dim]`` table ``cat(cos, sin)`` of the reference angles (the layout

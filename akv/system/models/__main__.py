@@ -1,9 +1,11 @@
-"""``python -m akv.system.models {smollm2,tiny} DIR``: write a model directory the servers can load."""
+"""``python -m akv.system.models {smollm2,tiny,minimax-m2-tiny,minimax-m2-dummy} DIR``: write a model
+directory the servers can load."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from akv.system.models.smollm2 import DTYPES
@@ -23,6 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", choices=("qwen3", "qwen2", "llama"), default="qwen3")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--vocab-size", type=int, default=512)
+
+    minimax = commands.add_parser("minimax-m2-tiny", help="random-weight tiny MiniMax-M2 (official template)")
+    minimax.add_argument("out_dir", type=Path)
+    minimax.add_argument("--seed", type=int, default=0)
+    minimax.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    dummy = commands.add_parser("minimax-m2-dummy", help="config-only 62-layer MiniMax-M2 for --load-format dummy")
+    dummy.add_argument("out_dir", type=Path)
+    dummy.add_argument("--experts", type=int, default=64, help="num_local_experts (published: 256)")
+    dummy.add_argument("--bf16", action="store_true", help="no FP8 quantization_config")
     return parser
 
 
@@ -34,6 +45,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = convert_smollm2(args.out_dir, dtype=args.dtype, gguf_path=args.gguf)
         except ConversionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    elif args.command.startswith("minimax-m2"):
+        from akv.system.models import minimax_m2
+        from akv.system.models.sdist_templates import TemplateFetchError
+
+        try:
+            if args.command == "minimax-m2-tiny":
+                out = minimax_m2.make_minimax_m2_tiny(args.out_dir, seed=args.seed, dtype=args.dtype)
+            else:
+                shape = replace(minimax_m2.DUMMY_62L_64E, num_local_experts=args.experts)
+                out = minimax_m2.make_minimax_m2_dummy(args.out_dir, shape=shape, fp8=not args.bf16)
+        except (ValueError, TemplateFetchError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     else:

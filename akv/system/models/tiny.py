@@ -196,11 +196,12 @@ def synthetic_corpus(n_lines: int = 1500) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int) -> Any:
-    """Byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` entries, added tokens last."""
+def build_tokenizer(vocab_size: int, added_tokens: tuple[tuple[str, bool], ...] = ADDED_TOKENS) -> Any:
+    """Byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` entries, ``added_tokens``
+    (content, special) last."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    bpe_size = vocab_size - len(ADDED_TOKENS)
+    bpe_size = vocab_size - len(added_tokens)
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -215,7 +216,7 @@ def build_tokenizer(vocab_size: int) -> Any:
     tokenizer.train_from_iterator(synthetic_corpus(), trainer=trainer)
     if tokenizer.get_vocab_size() < bpe_size:
         tokenizer = _padded_with_merges(tokenizer, bpe_size)
-    for content, special in ADDED_TOKENS:
+    for content, special in added_tokens:
         token = AddedToken(content, special=special, normalized=False)
         if special:
             tokenizer.add_special_tokens([token])

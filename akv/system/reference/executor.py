@@ -13,7 +13,6 @@ from akv.system.cache.plan import CopyJob, RequestPlan
 from akv.system.context.program import ContextProgram
 from akv.system.reference.model import ReferenceModel
 from akv.system.reference.paged import forward_paged
-from akv.system.reference.rope import rerotate
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ def run_copies(model: ReferenceModel, kv: PagedKV, job: CopyJob) -> None:
     src, dst = torch.from_numpy(job.src.copy()), torch.from_numpy(job.dst.copy())
     old, new = torch.from_numpy(job.old_positions.copy()), torch.from_numpy(job.new_positions.copy())
     for k, v in zip(kv.k, kv.v):
-        k[dst] = rerotate(k[src], old, new, theta=model.config.rope_theta, neox=True).to(k.dtype)
+        k[dst] = model.rerotate(k[src], old, new).to(k.dtype)
         v[dst] = v[src]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from akv.system.reference.rope import rotate
+from akv.system.reference.rope import rerotate, rotate
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
@@ -200,6 +200,10 @@ class ReferenceModel:
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Neox RoPE of ``x[tokens, heads, head_dim]`` at ``positions[tokens]`` (FP32 formula)."""
         return rotate(x, positions, theta=self.config.rope_theta, neox=True).to(self.dtype)
+
+    def rerotate(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+        """Keys stored rotated at ``old_positions`` moved to ``new_positions``: ``R(new) R(old)^-1 k`` in FP32."""
+        return rerotate(k, old_positions, new_positions, theta=self.config.rope_theta, neox=True)
 
     def attend(self, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Softmax attention of queries ``[n, heads, d]`` over keys/values ``[m, kv_heads, d]`` where
