@@ -39,8 +39,8 @@ def check_json(value: Any, field: str) -> None:
         if kind is dict:
             for key, v in reversed(item.items()):
                 if type(key) is not str:
-                    raise PayloadError(f"{path}: key {key!r} is a {type(key).__name__}; JSON object keys must be "
-                                       f"strings", message_id=_message_id(path), field=path)
+                    raise PayloadError(f"{path}: key {key!r} ({type(key).__name__}) is not a string; JSON object "
+                                       f"keys must be strings", message_id=_message_id(path), field=path)
                 stack.append((v, f"{path}.{key}", depth + 1))
         else:
             stack.extend((v, f"{path}[{k}]", depth + 1) for k, v in reversed(list(enumerate(item))))

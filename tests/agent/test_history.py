@@ -213,8 +213,8 @@ def test_same_json_is_equality_of_json_text(a, b):
 
 
 @pytest.mark.parametrize("tools, field, match", [
-    ([{1: "x", "a": 2}], "tools[0]", "key 1 is a int; JSON object keys must be strings"),
-    ([{"type": "function", "function": {("name",): "f"}}], "tools[0].function", "key ('name',) is a tuple"),
+    ([{1: "x", "a": 2}], "tools[0]", "key 1 (int) is not a string; JSON object keys must be strings"),
+    ([{"type": "function", "function": {("name",): "f"}}], "tools[0].function", "key ('name',) (tuple) is not a string"),
     ([{"type": "function", "function": {"name": "f", "parameters": object()}}], "tools[0].function.parameters",
      "object is not a JSON value"),
 ])
