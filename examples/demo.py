@@ -16,9 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from akv.agent import BackendError  # noqa: E402
-from akv_demo.artifacts import ArtifactError  # noqa: E402
+from akv_demo.artifacts import ArtifactError, check_output  # noqa: E402
 from akv_demo.harness import DemoConfig, run_demo  # noqa: E402
 from akv_demo.policies import POLICY_KINDS  # noqa: E402
+from akv_demo.server_wait import ServerNotReady, wait_for_model  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per socket operation")
+    parser.add_argument("--wait", type=float, default=120.0,
+                        help="seconds to wait for --base-url to come up (a server just started with '&')")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="model dir whose chat template the token policy counts with "
                              "(default: --model-path; else a character estimate)")
@@ -49,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = None
     base_url, model = args.base_url, args.model
+    try:
+        check_output(args.output)  # before loading anything: a model can take minutes to load
+    except ArtifactError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if base_url is None:
         if args.model_path is None:
             parser.error("give --base-url, or --model-path to start the embedded reference server")
@@ -65,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         base_url, model = server.url, engine.model_name
     elif model is None:
         parser.error("--model is required with --base-url")
+    else:
+        try:
+            wait_for_model(base_url, model, args.wait, log=lambda line: print(line, flush=True))
+        except ServerNotReady as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     config = DemoConfig(base_url=base_url, model=model, output=args.output, policy=args.policy,
                         scripted=args.scripted, steps=args.steps, manifest_lines=args.manifest_lines,
                         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,

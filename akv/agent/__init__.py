@@ -14,10 +14,12 @@ from akv.agent.errors import (
                               HTTPStatusError,
                               IncompleteStreamError,
                               PayloadError,
+                              RedirectError,
                               RuleError,
                               StreamError,
                               TokenCountError,
                               TransportError,
+                              UnexpectedResponseError,
 )
 from akv.agent.history import CacheOperation, CacheOperationHistory
 from akv.agent.openai import extra_body
@@ -36,8 +38,8 @@ __all__ = [
     "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
     "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
     "HistoryError", "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest",
-    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RuleError", "StreamError",
+    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "RuleError", "StreamError",
     "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
     "TokenReposition", "TokenSelection", "TokenTrigger", "ToolCall", "TransportError", "TurnReposition",
-    "TurnSelection", "TurnTrigger", "Usage", "extra_body", "send_chat_request", "sglang_template_inputs",
+    "TurnSelection", "TurnTrigger", "UnexpectedResponseError", "Usage", "extra_body", "send_chat_request", "sglang_template_inputs",
 ]

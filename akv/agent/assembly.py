@@ -53,7 +53,12 @@ class StreamAssembler:
             raise StreamError(f"SSE data after [DONE]: {event.data[:200]!r}", body=event.data)
         try:
             chunk = json.loads(event.data)
+        except RecursionError:
+            raise StreamError("SSE event nests too deeply to decode", body=event.data) from None
         except ValueError:
+            if not event.terminated:
+                raise IncompleteStreamError(f"stream ended in the middle of an event after {self.events - 1} "
+                                            f"events (no [DONE])", body=event.data) from None
             raise StreamError(f"SSE event is not JSON: {event.data[:200]!r}", body=event.data) from None
         if not isinstance(chunk, dict):
             raise StreamError(f"SSE event is not a JSON object: {event.data[:200]!r}", body=event.data)

@@ -8,7 +8,7 @@ class AKVError(Exception):
 
 
 class ConfigError(AKVError, ValueError):
-    """A rule, policy or tool was constructed with a bad argument."""
+    """A rule, policy, tool or client call was given a bad argument (the message names it)."""
 
 
 class PayloadError(AKVError, ValueError):
@@ -50,6 +50,20 @@ class HTTPStatusError(BackendError):
     """The server answered with an HTTP error status."""
 
 
+class RedirectError(HTTPStatusError):
+    """The server answered with a redirect (3xx), which is not followed: a POST is never re-sent
+    elsewhere; `location` is where it pointed (None when it said nothing)."""
+
+    def __init__(self, message: str, *, status: int, body: str = "", location: str | None = None) -> None:
+        super().__init__(message, status=status, body=body)
+        self.location = location
+
+
+class UnexpectedResponseError(BackendError):
+    """The server answered with a success status but not with an SSE stream (for example a JSON body
+    or an HTML page from a proxy); `body` holds what it sent."""
+
+
 class ContextLengthError(BackendError):
     """The prompt does not fit the model's context (HTTP error or error event)."""
 
@@ -59,4 +73,5 @@ class StreamError(BackendError):
 
 
 class IncompleteStreamError(BackendError):
-    """The SSE stream ended before `data: [DONE]`."""
+    """The SSE stream ended before `data: [DONE]`, possibly in the middle of an event (then `body`
+    holds the unfinished event)."""

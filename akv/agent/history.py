@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from akv.agent.errors import HistoryError
+from akv.agent.jsonvalue import validate_json
 
 _FORMAT = "akv.cache_operation_history/1"
 _SETTINGS_FIELDS = ("model", "tools", "chat_template_kwargs", "reasoning_effort")
 
 
-_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=repr)
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 
 
 def _canonical(value: object) -> bytes:
@@ -35,8 +36,11 @@ def extend_digest(digest: str, messages: Iterable[object]) -> str:
 
 
 def settings_digest(payload: Mapping[str, object], api_style: str) -> str:
-    """Digest of what fixes the rendered tokens besides the messages: model, tools, template options."""
+    """Digest of what fixes the rendered tokens besides the messages: model, tools, template options.
+    Raises PayloadError naming the field when one of them is not a JSON value."""
     settings = {key: payload.get(key) for key in _SETTINGS_FIELDS}
+    for key, value in settings.items():
+        validate_json(value, key)
     settings["api_style"] = api_style
     return hashlib.sha256(_canonical(settings)).hexdigest()
 
@@ -169,7 +173,7 @@ class CacheOperationHistory:
     def from_json(cls, text: str | bytes) -> CacheOperationHistory:
         try:
             data = json.loads(text)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise HistoryError(f"history is not valid JSON: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise HistoryError(f"history JSON must be an object with format {_FORMAT!r}")

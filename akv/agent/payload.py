@@ -8,6 +8,7 @@ from typing import Any
 
 from akv.agent.errors import PayloadError
 from akv.agent.history import CacheOperationHistory
+from akv.agent.jsonvalue import MAX_DEPTH
 
 API_STYLES = ("sglang", "openai")
 AKV_FIELDS = ("drop_message", "reposition", "drop_rule")
@@ -55,48 +56,33 @@ def akv_fields(history: CacheOperationHistory) -> dict[str, Any]:
 _SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
-def copy_json(value: Any) -> Any:
-    """Deep copy of a JSON-like value (dicts, lists, scalars); other objects go through copy.deepcopy."""
+def copy_json(value: Any, field: str = "payload", depth: int = MAX_DEPTH) -> Any:
+    """Deep copy of a JSON-like value (dicts, lists, scalars); other objects go through copy.deepcopy.
+    Raises PayloadError naming `field` when dicts and lists nest deeper than `MAX_DEPTH`."""
     kind = type(value)
-    if kind is dict:
-        out = value.copy()
-        for k, v in value.items():
-            if type(v) not in _SCALARS:
-                out[k] = copy_json(v)
-        return out
-    if kind is list:
-        return [v if type(v) in _SCALARS else copy_json(v) for v in value]
+    if kind is dict or kind is list:
+        if depth == 0:
+            raise PayloadError(f"{field}: nested deeper than {MAX_DEPTH} levels", field=field)
+        if kind is dict:
+            out = value.copy()
+            for k, v in value.items():
+                if type(v) not in _SCALARS:
+                    out[k] = copy_json(v, field, depth - 1)
+            return out
+        return [v if type(v) in _SCALARS else copy_json(v, field, depth - 1) for v in value]
     if kind in _SCALARS:
         return value
-    return copy.deepcopy(value)
-
-
-def copy_json_pair(value: Any) -> tuple[Any, Any]:
-    """Two deep copies of a JSON-like value that share nothing mutable with it or with each other,
-    made in one walk (cheaper than calling `copy_json` twice)."""
-    kind = type(value)
-    if kind is dict:
-        first, second = value.copy(), value.copy()
-        for k, v in value.items():
-            if type(v) not in _SCALARS:
-                first[k], second[k] = copy_json_pair(v)
-        return first, second
-    if kind is list:
-        first, second = value.copy(), value.copy()
-        for k, v in enumerate(value):
-            if type(v) not in _SCALARS:
-                first[k], second[k] = copy_json_pair(v)
-        return first, second
-    if kind in _SCALARS:
-        return value, value
-    return copy.deepcopy(value), copy.deepcopy(value)
+    try:
+        return copy.deepcopy(value)
+    except RecursionError:
+        raise PayloadError(f"{field}: a {kind.__name__} nested too deeply to copy", field=field) from None
 
 
 def with_fields(payload: Mapping[str, Any], messages: list[Any], history: CacheOperationHistory,
                 api_style: str) -> dict[str, Any]:
     """A deep copy of `payload` carrying the cumulative AKV fields of `history`; `messages` must be a
     private copy of the payload's messages, used as is."""
-    new = {key: messages if key == "messages" else copy_json(value) for key, value in payload.items()}
+    new = {key: messages if key == "messages" else copy_json(value, key) for key, value in payload.items()}
     fields = akv_fields(history)
     if api_style == "openai":
         if fields or "extra_body" in new:

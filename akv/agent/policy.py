@@ -18,7 +18,8 @@ from akv.agent.history import (
     settings_digest,
 )
 from akv.agent.messages import parse_conversation
-from akv.agent.payload import check_payload, copy_json, copy_json_pair, with_fields
+from akv.agent.jsonvalue import copy_json_pair, same_json, validate_json
+from akv.agent.payload import check_payload, copy_json, with_fields
 from akv.agent.protection import Protection
 from akv.agent.tool import DropContextTool
 
@@ -64,8 +65,8 @@ class CachePolicy:
         object.__setattr__(self, "protection", protection)
 
     def drop_context_tool(self, name: str = "drop_context") -> DropContextTool:
-        """The model-facing drop tool, with this policy's protection rules."""
-        return DropContextTool(name, self.protection)
+        """The model-facing drop tool, with this policy's protection rules and drop minimums."""
+        return DropContextTool(name, self.protection, self.min_clear_messages, self.min_clear_tokens, self.counter)
 
     def process(self, payload: Mapping[str, Any], history: CacheOperationHistory | None = None, *,
                 api_style: str = "sglang", completed_call_message_ids: Sequence[int] | None = None,
@@ -83,6 +84,11 @@ class CachePolicy:
             if history.message_count == len(messages):
                 return with_fields(payload, copy_json(messages), history, api_style), history
             start = history.message_count
+        if history is None or history.snapshot is None:
+            snapshot, sent = copy_json_pair(messages, "messages")
+        else:
+            kept, added = copy_json_pair(messages, "messages", start)
+            snapshot, sent = history.snapshot + kept, copy_json(messages[:start]) + added
         state = DecisionState(messages, conversation, self.protection.protected(conversation),
                               payload.get("tools"), payload.get("chat_template_kwargs"), api_style)
         operations = list(history.operations) if history is not None else []
@@ -97,11 +103,6 @@ class CachePolicy:
                 if op is not None:
                     operations.append(op)
             previous = boundary
-        if history is None or history.snapshot is None:
-            snapshot, sent = copy_json_pair(messages)
-        else:
-            kept, added = copy_json_pair(messages[start:])
-            snapshot, sent = history.snapshot + kept, copy_json(messages[:start]) + added
         new_history = CacheOperationHistory.extending(history, tuple(operations), settings, snapshot)
         return with_fields(payload, sent, new_history, api_style), new_history
 
@@ -143,8 +144,11 @@ def _check_history(history: object, boundaries: tuple[int, ...], messages: list[
         raise HistoryError(f"the history covers {count} messages but the payload has only {len(messages)}; it "
                            f"belongs to another branch")
     prefix = messages[:count]
-    same = history.snapshot == prefix if history.snapshot is not None else \
-        extend_digest(EMPTY_PREFIX, prefix) == history.prefix_digest
+    if history.snapshot is not None:
+        same = same_json(history.snapshot, prefix)
+    else:
+        validate_json(messages, "messages")
+        same = extend_digest(EMPTY_PREFIX, prefix) == history.prefix_digest
     if not same:
         raise HistoryError(f"messages 0..{count - 1} differ from those the history was decided on: an earlier "
                            f"message was edited, removed or reordered")

@@ -27,7 +27,7 @@ def parse_receipt(content: object) -> tuple[int, ...] | None:
         return None
     try:
         data = json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or data.get("status") != SCHEDULED:
         return None

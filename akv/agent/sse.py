@@ -13,10 +13,12 @@ _LINE_END = re.compile(r"\r\n|\r|\n")
 
 @dataclass(frozen=True)
 class SSEEvent:
-    """One dispatched event: its `data` lines joined with newlines, and its `event` type if any."""
+    """One dispatched event: its `data` lines joined with newlines, and its `event` type if any;
+    `terminated` is False for an event the stream ended in (no blank line after it)."""
 
     data: str
     event: str | None = None
+    terminated: bool = True
 
 
 class SSEParser:
@@ -37,7 +39,7 @@ class SSEParser:
         """End of stream: process the last line and dispatch a pending event."""
         events = self._consume(self._decode(b"", final=True), final=True)
         if self._data:
-            events.append(self._dispatch())
+            events.append(self._dispatch(terminated=False))
         return events
 
     def _decode(self, chunk: bytes, *, final: bool) -> str:
@@ -88,7 +90,7 @@ class SSEParser:
             self._event = value
         return None
 
-    def _dispatch(self) -> SSEEvent:
-        event = SSEEvent("\n".join(self._data), self._event)
+    def _dispatch(self, *, terminated: bool = True) -> SSEEvent:
+        event = SSEEvent("\n".join(self._data), self._event, terminated)
         self._data, self._event = [], None
         return event

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from akv.agent.errors import ConfigError
 from akv.agent.results import GenerationResult
 
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "api-key", "x-api-key", "openai-api-key"})
@@ -26,8 +27,16 @@ class CallTrace:
     events.jsonl (one parsed event per line with its arrival time), call.json (summary)."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ConfigError(f"trace must be a path, got {type(directory).__name__}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=False, mode=0o700)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=False, mode=0o700)
+        except FileExistsError:
+            raise ConfigError(f"trace: {str(self.directory)!r} already exists; a trace is never overwritten, "
+                              f"give a new directory") from None
+        except OSError as exc:
+            raise ConfigError(f"trace: cannot create {str(self.directory)!r}: {exc}") from None
         self._raw = bytearray()
         self._events: list[dict[str, Any]] = []
         self._call: dict[str, Any] = {}
@@ -45,7 +54,7 @@ class CallTrace:
     def event(self, data: str, kind: str | None, output: bool) -> None:
         try:
             parsed: Any = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             parsed = data
         self._events.append({"index": len(self._events), "elapsed_s": time.monotonic() - self._started,
                              "event": kind, "output": output, "data": parsed})

@@ -11,13 +11,18 @@ class ArtifactError(RuntimeError):
     """The output directory cannot be used."""
 
 
+def check_output(root: Path) -> None:
+    """Raise ArtifactError unless ``root`` is absent or an empty directory (a run never overwrites another)."""
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ArtifactError(f"--output {str(root)!r} exists and is not empty; choose a new directory")
+
+
 class RunArtifacts:
     """``root/run.json``, ``root/steps/NN/{payload_before,payload_after,history,reply,usage,action}.json``,
     ``root/steps/NN/trace/`` (the client's call trace), ``root/summary.{json,txt}``, ``root/plot.svg``."""
 
     def __init__(self, root: Path) -> None:
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise ArtifactError(f"--output {str(root)!r} exists and is not empty; choose a new directory")
+        check_output(root)
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
 

@@ -19,7 +19,7 @@ from akv_demo.artifacts import RunArtifacts
 from akv_demo.plot import write_svg
 from akv_demo.policies import DemoPolicy, make_counter, make_policy
 from akv_demo.records import TOOL_NAME, ShipmentChain, read_record_schema, run_read_record
-from akv_demo.report import StepRecord, summary_table, totals
+from akv_demo.report import StepRecord, step_line, summary_table, totals
 
 SYSTEM_PROMPT = ("You are a logistics assistant. Use the read_record tool to follow a shipment's records "
                  "one by one until a record states the final destination, then answer with it.")
@@ -113,9 +113,7 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
         record = StepRecord.from_usage(step, len(sent["messages"]), usage, latency, len(history.hidden),
                                        len(history.reposition()), action)
         records.append(record)
-        log(f"[step {step:2d}] served {record.prompt_tokens:6d} tok | cached {record.cached_tokens:6d} | "
-            f"re-rotated {record.repos_tokens:5d} | skipped {record.drop_skipped_tokens:5d} | "
-            f"computed {record.computed_tokens:6d} | {latency:6.2f} s | {action}")
+        log(step_line(record))
         if answer is not None:
             final_answer = answer
             break

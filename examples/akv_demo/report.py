@@ -53,6 +53,13 @@ class StepRecord:
         return {**asdict(self), "computed_tokens": self.computed_tokens}
 
 
+def step_line(record: StepRecord) -> str:
+    """The line the demo prints after each step."""
+    return (f"[step {record.step:2d}] served {record.prompt_tokens:6d} tok | cached {record.cached_tokens:6d} | "
+            f"re-rotated {record.repos_tokens:5d} | skipped {record.drop_skipped_tokens:5d} | "
+            f"computed {record.computed_tokens:6d} | {record.latency_s:6.2f} s | {record.action}")
+
+
 # (title, field, width, format spec); the action column is left-aligned and unpadded.
 _COLUMNS = (
     ("step", "step", 4, "d"),

@@ -12,11 +12,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 @dataclass
 class Script:
-    """What the next responses look like: `status`, then the body sent as HTTP chunks `pieces`."""
+    """What the next responses look like: `status`, then the body sent as HTTP chunks `pieces`; with
+    `end` False the connection closes without the final chunk (a transfer cut short)."""
 
     status: int = 200
     pieces: list[bytes] = field(default_factory=list)
-    content_type: str = "text/event-stream"
+    content_type: str | None = "text/event-stream"
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    end: bool = True
     requests: list[dict] = field(default_factory=list)
     headers: list[dict] = field(default_factory=list)
 
@@ -31,7 +34,10 @@ def serve(script: Script) -> Iterator[str]:
             script.requests.append(json.loads(self.rfile.read(length)))
             script.headers.append(dict(self.headers))
             self.send_response(script.status)
-            self.send_header("Content-Type", script.content_type)
+            if script.content_type is not None:
+                self.send_header("Content-Type", script.content_type)
+            for name, value in script.extra_headers.items():
+                self.send_header(name, value)
             self.send_header("Transfer-Encoding", "chunked")
             self.send_header("Connection", "close")
             self.end_headers()
@@ -39,7 +45,8 @@ def serve(script: Script) -> Iterator[str]:
                 if piece:
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                     self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
+            if script.end:
+                self.wfile.write(b"0\r\n\r\n")
 
         def log_message(self, *args: object) -> None:
             pass

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from akv.agent import (
     CacheOperation,
     CacheOperationHistory,
     CachePolicy,
     HistoryError,
+    PayloadError,
     TurnReposition,
     TurnSelection,
     TurnTrigger,
 )
+
+from akv.agent.jsonvalue import MAX_DEPTH, same_json
 
 from .conversations import call, payload, result
 
@@ -163,3 +170,95 @@ def test_process_does_not_mutate_history():
     snapshot = copy.deepcopy(h)
     POLICY.process(payload(conversation(4)), h)
     assert h == snapshot
+
+
+def tagged(value) -> list[dict]:
+    messages = conversation(2)
+    messages[0]["metadata"] = value
+    return messages
+
+
+def json_text(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+@pytest.mark.parametrize("before, after", [
+    (1, True), (True, 1), (0, False), (1, 1.0), (0.0, -0.0), ([1, 2], [True, 2]), ({"a": 1}, {"a": True}),
+    ("x", "x"), (1.5, 1.5), ({"a": 1, "b": [None]}, {"b": [None], "a": 1}), (float("nan"), float("nan")),
+])
+def test_continuity_is_the_same_in_memory_and_after_a_json_round_trip(before, after):
+    _, in_memory = POLICY.process(payload(tagged(before)))
+    from_json = CacheOperationHistory.from_json(in_memory.to_json())
+    expected_same = json_text(before) == json_text(after)
+    for history in (in_memory, from_json):
+        edited = tagged(after) + [call("x"), result("x")]
+        if expected_same:
+            POLICY.process(payload(edited), history)
+        else:
+            with pytest.raises(HistoryError, match="differ"):
+                POLICY.process(payload(edited), history)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2) | st.sampled_from([0.0, -0.0, 1.0, 2.5, float("nan")])
+    | st.sampled_from(["", "a", "1"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("abc"), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_VALUES, JSON_VALUES)
+def test_same_json_is_equality_of_json_text(a, b):
+    assert same_json(a, b) is (json_text(a) == json_text(b))
+
+
+@pytest.mark.parametrize("tools, field, match", [
+    ([{1: "x", "a": 2}], "tools[0]", "key 1 (int) is not a string; JSON object keys must be strings"),
+    ([{"type": "function", "function": {("name",): "f"}}], "tools[0].function", "key ('name',) (tuple) is not a string"),
+    ([{"type": "function", "function": {"name": "f", "parameters": object()}}], "tools[0].function.parameters",
+     "object is not a JSON value"),
+])
+def test_tools_that_are_not_json_raise_a_payload_error_naming_the_path(tools, field, match):
+    with pytest.raises(PayloadError, match=re.escape(match)) as info:
+        POLICY.process(payload(conversation(2), tools=tools))
+    assert info.value.field == field
+
+
+def nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_deep_nesting_is_refused_with_a_bounded_clear_error():
+    # the messages list and a message object are two levels; content may nest MAX_DEPTH - 2 more
+    messages = conversation(2)
+    messages[4]["content"] = nested(MAX_DEPTH - 2)
+    POLICY.process(payload(messages))
+    messages[4]["content"] = nested(MAX_DEPTH - 1)
+    with pytest.raises(PayloadError, match=f"nested deeper than {MAX_DEPTH} levels") as info:
+        POLICY.process(payload(messages))
+    assert info.value.message_id == 4 and info.value.field.startswith("messages[4].content")
+    messages[4]["content"] = nested(100_000)
+    with pytest.raises(PayloadError, match=f"nested deeper than {MAX_DEPTH} levels"):
+        POLICY.process(payload(messages))
+    _, history = POLICY.process(payload(conversation(2)))
+    later = conversation(3)
+    later[6]["content"] = nested(100_000)
+    with pytest.raises(PayloadError, match=r"messages\[6\].content") as info:
+        POLICY.process(payload(later), history)
+    assert info.value.message_id == 6
+    for field in ("tools", "chat_template_kwargs", "metadata"):
+        with pytest.raises(PayloadError, match=f"{field}.*nested deeper than {MAX_DEPTH} levels") as info:
+            POLICY.process(payload(conversation(2), **{field: nested(100_000)}))
+        assert info.value.field.startswith(field)
+
+
+def test_non_json_values_in_messages_name_the_message():
+    messages = conversation(2)
+    messages[3]["tool_calls"][0]["function"]["arguments"] = {"id": {1, 2}}
+    with pytest.raises(PayloadError, match=r"messages\[3\].tool_calls\[0\].function.arguments.id: set is not a "
+                                           r"JSON value") as info:
+        POLICY.process(payload(messages))
+    assert info.value.message_id == 3

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from akv.agent import CachePolicy, TurnReposition, TurnSelection, extra_body
+from akv.agent import CachePolicy, HistoryError, PayloadError, TurnReposition, TurnSelection, extra_body
 
 from .conversations import call, payload, result
 
@@ -37,5 +37,8 @@ def test_extra_body_helper_for_the_openai_sdk():
     _, history = CachePolicy(selector=TurnSelection(1), reposition=TurnReposition(after=2)).process(payload(messages))
     assert extra_body(history) == {"drop_message": {"4": [2]}, "reposition": [4]}
     assert extra_body(history, {"top_k": 20}) == {"top_k": 20, "drop_message": {"4": [2]}, "reposition": [4]}
-    with pytest.raises(TypeError, match="CacheOperationHistory"):
+    with pytest.raises(HistoryError, match="extra_body: history must be a CacheOperationHistory, got dict"):
         extra_body({"drop_message": {}})  # type: ignore[arg-type]
+    with pytest.raises(PayloadError, match="extra_body: base must be a mapping or None, got list") as info:
+        extra_body(history, [("top_k", 20)])  # type: ignore[arg-type]
+    assert info.value.field == "extra_body"

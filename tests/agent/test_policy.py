@@ -104,6 +104,19 @@ def test_token_trigger_and_token_selection_hand_counted():
     assert fields(new) == {"drop_message": {"6": [2, 4]}}
 
 
+@pytest.mark.parametrize("target, dropped", [(340, []), (339, [2]), (240, [2]), (239, [2, 4]), (140, [2, 4]),
+                                             (139, [2, 4])])
+def test_token_selection_stops_exactly_at_target_tokens(target, dropped):
+    messages = [{"role": "user", "content": "task"}, call("A"), result("A"), call("B"), result("B"), call("C"),
+                result("C")]
+    # visible prompt at boundary 6 = 4 * 10 + 3 * 100 = 340; dropping tool 2 leaves exactly 240, then
+    # tool 4 exactly 140. A visible prompt equal to the target is small enough: nothing more is dropped.
+    # Below 140 only the current turn's result is left, which is never a candidate.
+    policy = CachePolicy(trigger=TurnTrigger(after=3), selector=TokenSelection(target, FixedCounter(100, 10)))
+    new, _ = policy.process(payload(messages))
+    assert fields(new) == ({"drop_message": {"6": dropped}} if dropped else {})
+
+
 def test_token_trigger_counts_previous_drops_and_generation_prompt():
     messages = [{"role": "user", "content": "task"}]
     for i in range(4):

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from akv.agent import (
+    ApproximateTokenCounter,
     CachePolicy,
     ConfigError,
     DropContextTool,
+    HistoryError,
     ModelReposition,
     ModelSelection,
     ModelTrigger,
@@ -17,7 +20,7 @@ from akv.agent import (
     TurnSelection,
 )
 
-from .conversations import call, payload, result
+from .conversations import TOOLS, call, payload, result
 
 BASE = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}, call("A"), result("A"),
         call("B"), result("B")]
@@ -75,8 +78,75 @@ def test_already_dropped_ids_are_rejected_from_history_and_from_earlier_receipts
     again = messages + [drop_call("E", [3, 5])]
     receipt = TOOL.execute({"message_ids": [3, 5]}, again, history)
     assert receipt["status"] == "error" and receipt["already_dropped"] == [3]
-    # without the history the earlier receipt in the conversation still counts
-    assert TOOL.execute({"message_ids": [3]}, again)["already_dropped"] == [3]
+    # without the history the tool only knows that an earlier receipt asked for it
+    assert TOOL.execute({"message_ids": [3]}, again)["already_requested"] == [3]
+
+
+def test_a_pending_request_is_already_requested_not_already_dropped():
+    # ModelSelection under a trigger that has not fired yet: the receipt's ids are not dropped yet
+    policy = CachePolicy(trigger=lambda ctx: ctx.turn == 5, selector=ModelSelection())
+    tool = policy.drop_context_tool()
+    messages = BASE + [drop_call("D", [3])]
+    messages.append(answer("D", tool.execute({"message_ids": [3]}, messages)))
+    new, history = policy.process(payload(messages))
+    assert "drop_message" not in new
+    again = messages + [drop_call("E", [3])]
+    receipt = tool.execute({"message_ids": [3]}, again, history)
+    assert receipt["status"] == "error" and receipt["already_requested"] == [3] and "already_dropped" not in receipt
+
+
+def test_a_request_below_min_clear_messages_gets_an_error_receipt_and_can_be_made_again():
+    policy = CachePolicy(trigger=ModelTrigger(), selector=ModelSelection(), min_clear_messages=2)
+    tool = policy.drop_context_tool()
+    messages = BASE + [drop_call("D", [3])]
+    first = tool.execute({"message_ids": [3]}, messages)
+    assert first["status"] == "error" and first["below_minimum"] == [3] and "min_clear_messages" in first["error"]
+    messages.append(answer("D", first))
+    new, history = policy.process(payload(messages))
+    assert "drop_message" not in new
+    # the next call is not refused as "already dropped": nothing was
+    messages.append(drop_call("E", [3, 5]))
+    second = tool.execute({"message_ids": [3, 5]}, messages, history)
+    assert second["status"] == "scheduled" and second["message_ids"] == [3, 5]
+    messages.append(answer("E", second))
+    new, _ = policy.process(payload(messages), history)
+    assert new["drop_message"] == {"9": [3, 5]}
+
+
+@pytest.mark.parametrize("min_messages, min_tokens", [(1, None), (2, None), (3, None), (1, 12), (2, 20), (1, 40)])
+def test_a_receipt_is_scheduled_exactly_when_the_policy_drops_its_ids(min_messages, min_tokens):
+    counter = ApproximateTokenCounter()
+    policy = CachePolicy(trigger=ModelTrigger(), selector=ModelSelection(), min_clear_messages=min_messages,
+                         min_clear_tokens=min_tokens, counter=counter if min_tokens else None)
+    tool = policy.drop_context_tool()
+    droppable = [2, 3, 4, 5]  # messages 0 and 1 are the protected system prompt and task
+    for size in range(1, len(droppable) + 1):
+        for ids in itertools.combinations(droppable, size):
+            messages = BASE + [drop_call("D", list(ids))]
+            receipt = tool.execute({"message_ids": list(ids)}, messages, tools=TOOLS)
+            new, _ = policy.process(payload(messages + [answer("D", receipt)]))
+            tokens = sum(counter.layout(messages, tools=TOOLS).message_tokens[i] for i in ids)
+            meets = len(ids) >= min_messages and (min_tokens is None or tokens >= min_tokens)
+            assert (receipt["status"] == "scheduled") is meets, (ids, receipt)
+            assert new.get("drop_message") == ({"7": list(ids)} if meets else None), (ids, receipt)
+
+
+@pytest.mark.parametrize("messages, history, error, match", [
+    (None, None, PayloadError, "messages must be a list of messages, got NoneType"),
+    ("user: hi", None, PayloadError, "messages must be a list of messages, got str"),
+    (BASE + [drop_call("D", [3])], {"operations": []}, HistoryError,
+     "history must be a CacheOperationHistory or None, got dict"),
+])
+def test_execute_misuse_raises_library_errors_naming_the_argument(messages, history, error, match):
+    with pytest.raises(error, match=match):
+        TOOL.execute({"message_ids": [3]}, messages, history)
+
+
+def test_deeply_nested_arguments_give_an_error_receipt():
+    deep = "[" * 100_000 + "]" * 100_000
+    receipt = TOOL.execute(json.dumps({"message_ids": [3], "reason": 1})[:-1] + ', "x": ' + deep + "}",
+                           BASE + [drop_call("D", [3])])
+    assert receipt == {"status": "error", "error": "arguments nest too deeply"}
 
 
 def test_excluded_tool_results_are_protected():

@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from akv.agent import ContextLengthError, HTTPStatusError, IncompleteStreamError, StreamError, TransportError
+from akv.agent import (
+    ConfigError,
+    ContextLengthError,
+    HTTPStatusError,
+    IncompleteStreamError,
+    PayloadError,
+    RedirectError,
+    StreamError,
+    TransportError,
+    UnexpectedResponseError,
+)
 from akv.agent.results import ToolCall
 from akv.agent.sse import SSEParser
 from akv.agent.transport import chat_completions_url, send_chat_request
@@ -171,11 +181,87 @@ def test_connection_refused_is_a_transport_error():
         send_chat_request(url, PAYLOAD, timeout=2)
 
 
-def test_argument_checks():
-    with pytest.raises(ValueError, match="streaming-only"):
-        send_chat_request("http://127.0.0.1:1", {**PAYLOAD, "stream": False})
-    with pytest.raises(ValueError, match="timeout"):
-        send_chat_request("http://127.0.0.1:1", PAYLOAD, timeout=0)
+DEEP: list = []
+_inner = DEEP
+for _ in range(100_000):
+    _inner.append([])
+    _inner = _inner[0]
+
+
+@pytest.mark.parametrize("base_url, payload, options, error, match", [
+    ("http://127.0.0.1:1", {**PAYLOAD, "stream": False}, {}, PayloadError, "streaming-only"),
+    ("http://127.0.0.1:1", PAYLOAD, {"timeout": 0}, ConfigError, "timeout must be a positive"),
+    (1, PAYLOAD, {}, ConfigError, "base_url must be a string, got int"),
+    (["http://h"], PAYLOAD, {}, ConfigError, "base_url must be a string, got list"),
+    ("http://127.0.0.1:1", None, {}, PayloadError, "payload must be a mapping, got NoneType"),
+    ("http://127.0.0.1:1", [("model", "m")], {}, PayloadError, "payload must be a mapping, got list"),
+    ("http://127.0.0.1:1", PAYLOAD, {"headers": "Authorization: x"}, ConfigError, "headers must map strings"),
+    ("http://127.0.0.1:1", PAYLOAD, {"headers": {"X-N": 1}}, ConfigError, "headers must map strings"),
+    ("http://127.0.0.1:1", {**PAYLOAD, "metadata": object()}, {}, PayloadError, "cannot be sent as JSON"),
+    ("http://127.0.0.1:1", {**PAYLOAD, "temperature": float("nan")}, {}, PayloadError, "cannot be sent as JSON"),
+    ("http://127.0.0.1:1", {**PAYLOAD, "metadata": DEEP}, {}, PayloadError, "nests too deeply"),
+    ("http://127.0.0.1:1", PAYLOAD, {"trace": 7}, ConfigError, "trace must be a path, got int"),
+])
+def test_argument_checks(base_url, payload, options, error, match):
+    with pytest.raises(error, match=match):
+        send_chat_request(base_url, payload, **options)
+
+
+def test_a_stream_cut_mid_event_is_incomplete_and_keeps_the_unfinished_event():
+    cut = sse(EVENTS[:3], done=False) + b'data: {"id": "chatcmpl-1", "choices": [{"ind'
+    with serve(Script(pieces=[cut])) as url:
+        with pytest.raises(IncompleteStreamError, match="middle of an event after 3 events") as info:
+            send_chat_request(url, PAYLOAD)
+    assert info.value.body == '{"id": "chatcmpl-1", "choices": [{"ind'
+
+
+def test_a_transfer_cut_short_is_an_incomplete_stream():
+    with serve(Script(pieces=[sse(EVENTS[:3], done=False)], end=False)) as url:
+        with pytest.raises(IncompleteStreamError, match="closed the stream mid-transfer"):
+            send_chat_request(url, PAYLOAD)
+
+
+def test_a_last_event_without_its_blank_line_still_counts():
+    body = sse(EVENTS)[:-2]  # "data: [DONE]" without the blank line that ends it
+    with serve(Script(pieces=[body])) as url:
+        check_result(send_chat_request(url, PAYLOAD))
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "text/html; charset=utf-8", None])
+def test_a_success_status_without_an_event_stream_keeps_the_body(content_type, tmp_path):
+    body = '{"id": "chatcmpl-1", "object": "chat.completion", "choices": [{"message": {"content": "hi"}}]}'
+    with serve(Script(pieces=[body.encode()], content_type=content_type)) as url:
+        with pytest.raises(UnexpectedResponseError, match="is not an SSE stream") as info:
+            send_chat_request(url, PAYLOAD, trace=tmp_path / "t")
+    assert info.value.status == 200 and info.value.body == body
+    assert (tmp_path / "t" / "response.sse").read_text() == body
+
+
+def test_a_redirect_is_not_followed_and_says_where_it_pointed():
+    script = Script(status=307, pieces=[b"moved"], content_type="text/plain",
+                    extra_headers={"Location": "http://elsewhere:8000/v1/chat/completions"})
+    with serve(script) as url:
+        with pytest.raises(RedirectError, match="redirected to 'http://elsewhere:8000") as info:
+            send_chat_request(url, PAYLOAD)
+    assert (info.value.status, info.value.body, info.value.location) == (307, "moved",
+                                                                         "http://elsewhere:8000/v1/chat/completions")
+    assert isinstance(info.value, HTTPStatusError) and len(script.requests) == 1
+
+
+def test_an_existing_trace_folder_is_refused_before_anything_is_sent(tmp_path):
+    (tmp_path / "t").mkdir()
+    script = Script(pieces=[sse(EVENTS)])
+    with serve(script) as url:
+        with pytest.raises(ConfigError, match="already exists"):
+            send_chat_request(url, PAYLOAD, trace=tmp_path / "t")
+    assert script.requests == [] and list((tmp_path / "t").iterdir()) == []
+
+
+def test_a_deeply_nested_event_is_a_stream_error():
+    with serve(Script(pieces=[b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n"])) as url:
+        with pytest.raises(StreamError, match="nests too deeply"):
+            send_chat_request(url, PAYLOAD)
+
 
 
 @pytest.mark.parametrize("base, url", [
@@ -200,7 +286,7 @@ def test_trace_directory(tmp_path):
     with serve(Script(pieces=[body])) as url:
         result = send_chat_request(url, PAYLOAD, headers={"Authorization": "Bearer secret", "X-Other": "kept"},
                                    trace=trace)
-        with pytest.raises(FileExistsError):
+        with pytest.raises(ConfigError, match="already exists; a trace is never overwritten"):
             send_chat_request(url, PAYLOAD, trace=trace)
     assert json.loads((trace / "request.json").read_bytes())["drop_message"] == {"4": [2]}
     assert (trace / "response.sse").read_bytes() == body

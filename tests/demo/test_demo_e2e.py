@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from akv_demo.harness import DemoConfig, DemoResult, record_tokens, run_demo  # noqa: E402
 from akv_demo.records import ShipmentChain  # noqa: E402
+from akv_demo.server_wait import ServerNotReady, wait_for_model  # noqa: E402
 
 STEP_FILES = ("payload_before", "payload_after", "history", "reply", "usage", "action")
 CHAIN = 4
@@ -137,6 +142,21 @@ def test_cli_with_embedded_server(model_dir: Path, tmp_path: Path) -> None:
     assert again.returncode == 2 and "not empty" in again.stderr
 
 
+def test_cli_checks_the_output_folder_before_loading_the_model(tmp_path: Path) -> None:
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "summary.txt").write_text("an earlier run\n")
+    # the model path is missing too: the output folder must be refused first, before any model load
+    command = [sys.executable, str(ROOT / "examples" / "demo.py"), "--model-path", str(tmp_path / "missing"),
+               "--output", str(out), "--scripted"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "--output" in done.stderr and "not empty" in done.stderr
+    assert "starting the embedded reference server" not in done.stdout and "is not a directory" not in done.stderr
+    assert (out / "summary.txt").read_text() == "an earlier run\n"
+
+
 def test_cli_reports_a_bad_model_path_without_a_traceback(tmp_path: Path) -> None:
     command = [sys.executable, str(ROOT / "examples" / "demo.py"), "--model-path", str(tmp_path / "missing"),
                "--output", str(tmp_path / "out"), "--scripted"]
@@ -162,3 +182,48 @@ def test_record_size_is_counted_in_a_conversation_a_qwen3_style_template_accepts
     counted = record_tokens(chain, ChatTemplateTokenCounter(tokenizer))
     record = tokenizer(chain.read(chain.first_id), add_special_tokens=False)["input_ids"]
     assert len(record) <= counted <= len(record) + 16
+
+
+def models_server(port: int, models: list[str]) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps({"object": "list", "data": [{"id": m} for m in models]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", port), Handler)
+
+
+def test_demo_waits_for_a_server_started_in_the_background() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started: list[ThreadingHTTPServer] = []
+
+    def start_late() -> None:
+        time.sleep(1.0)
+        server = models_server(port, ["smollm2"])
+        started.append(server)
+        server.serve_forever()
+
+    thread = threading.Thread(target=start_late, daemon=True)
+    thread.start()
+    lines: list[str] = []
+    try:
+        wait_for_model(f"http://127.0.0.1:{port}", "smollm2", 30, log=lines.append)
+        with pytest.raises(ServerNotReady, match=r"--model 'other' is not served at .*; it serves \['smollm2'\]"):
+            wait_for_model(f"http://127.0.0.1:{port}/v1", "other", 30, log=lines.append)
+    finally:
+        while not started:
+            time.sleep(0.1)
+        started[0].shutdown()
+        started[0].server_close()
+    assert lines == [f"waiting for the server at http://127.0.0.1:{port} (up to 30 s) ..."]
+    with pytest.raises(ServerNotReady, match="no answer from .* within 1 s"):
+        wait_for_model(f"http://127.0.0.1:{port}", "smollm2", 1, log=lines.append)
