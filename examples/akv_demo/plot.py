@@ -1,5 +1,5 @@
-"""A dependency-free SVG chart: per step, prompt tokens stacked by how the server served them,
-with the step latency as a line on a second axis."""
+"""A dependency-free SVG chart: per step, prompt tokens stacked by how the server served them
+(cached, re-rotated, new), with the step latency as a line on a second axis."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from akv_demo.report import StepRecord
 _SERIES = (
     ("cached", "cached_tokens", "#4c9f70"),
     ("re-rotated", "repos_tokens", "#3b7dd8"),
-    ("skipped (dropped)", "drop_skipped_tokens", "#c9c9c9"),
-    ("computed", "computed_tokens", "#e0813a"),
+    ("new (computed or dropped unread)", "new_tokens", "#e0813a"),
 )
 _WIDTH, _HEIGHT = 720, 400
 _LEFT, _RIGHT, _TOP, _BOTTOM = 70, 70, 40, 60

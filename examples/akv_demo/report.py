@@ -45,19 +45,21 @@ class StepRecord:
         )
 
     @property
-    def computed_tokens(self) -> int:
-        """Prompt tokens the server had to compute (neither reused nor skipped)."""
-        return self.prompt_tokens - self.cached_tokens - self.repos_tokens - self.drop_skipped_tokens
+    def new_tokens(self) -> int:
+        """Prompt tokens not read from the cache: computed by this request, or dropped before any
+        query read them. (``drop_skipped_tokens`` counts every dropped token, computed or reused,
+        so it overlaps the other counts and is reported beside them, not added to them.)"""
+        return self.prompt_tokens - self.cached_tokens - self.repos_tokens
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "computed_tokens": self.computed_tokens}
+        return {**asdict(self), "new_tokens": self.new_tokens}
 
 
 def step_line(record: StepRecord) -> str:
     """The line the demo prints after each step."""
     return (f"[step {record.step:2d}] served {record.prompt_tokens:6d} tok | cached {record.cached_tokens:6d} | "
             f"re-rotated {record.repos_tokens:5d} | skipped {record.drop_skipped_tokens:5d} | "
-            f"computed {record.computed_tokens:6d} | {record.latency_s:6.2f} s | {record.action}")
+            f"new {record.new_tokens:6d} | {record.latency_s:6.2f} s | {record.action}")
 
 
 # (title, field, width, format spec); the action column is left-aligned and unpadded.
@@ -68,12 +70,12 @@ _COLUMNS = (
     ("cached", "cached_tokens", 8, "d"),
     ("re-rot", "repos_tokens", 8, "d"),
     ("skipped", "drop_skipped_tokens", 8, "d"),
-    ("computed", "computed_tokens", 9, "d"),
+    ("new", "new_tokens", 9, "d"),
     ("gen", "completion_tokens", 5, "d"),
     ("latency_s", "latency_s", 10, ".2f"),
     ("dropped", "dropped_so_far", 8, "d"),
 )
-_SUMMED = ("prompt_tokens", "cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens",
+_SUMMED = ("prompt_tokens", "cached_tokens", "repos_tokens", "drop_skipped_tokens", "new_tokens",
            "completion_tokens", "latency_s")
 
 

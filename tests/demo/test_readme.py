@@ -120,12 +120,12 @@ def test_the_sample_step_line_has_the_format_the_demo_prints() -> None:
     (line,) = [m for m in fenced(section("Quick start"), "") if m.startswith("[step")]
     line = line.strip()
     numbers = re.match(r"\[step +(\d+)\] served +(\d+) tok \| cached +(\d+) \| re-rotated +(\d+) \| skipped +(\d+) "
-                       r"\| computed +(-?\d+) \| +([\d.]+) s \| (.+)$", line)
+                       r"\| new +(\d+) \| +([\d.]+) s \| (.+)$", line)
     assert numbers, line
-    step, served, cached, repos, skipped, computed, latency, action = numbers.groups()
+    step, served, cached, repos, skipped, new, latency, action = numbers.groups()
     record = StepRecord(int(step), 0, int(served), int(cached), int(repos), int(skipped), 0, float(latency), 0, 0,
                         action)
-    assert record.computed_tokens == int(computed)
+    assert record.new_tokens == int(new)
     assert step_line(record) == line
 
 

@@ -98,7 +98,8 @@ class Engine:
             raise RequestError("messages", program.n_prompt, f"the prompt needs position {program.next_position}, "
                                f"beyond this model's maximum context length of {self.max_context} tokens")
         max_new_tokens = min(room, request.sampling.max_tokens)
-        prompt_slots = plan_occurrences(program, _NO_MATCH).n_fresh
+        cold = plan_occurrences(program, _NO_MATCH)
+        prompt_slots = cold.n_births + cold.n_copy_slots
         if prompt_slots > self.pool.size:
             raise RequestError("messages", program.n_prompt, f"the prompt needs {prompt_slots} KV slots, more than "
                                f"the {self.pool.size} this server holds (maximum context length)")

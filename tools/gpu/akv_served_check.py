@@ -1,0 +1,134 @@
+"""On the H200, with the patched server up on the tiny random Qwen3 (``SGLANG_BASE_URL``, bf16):
+the same chat requests, plain and with ``drop_message``/``reposition``, go to it and to the exact
+CPU reference server (FP32, the oracle's arithmetic) started here on the same weights.
+
+Per request: the served token log-probs against the reference's (until the first differing token),
+the reference's top-2 margin wherever the tokens differ, and the usage. SGLang's CUDA RMSNorm has
+no FP32 path, so the bound is measured, not assumed: context requests must stay within 1.5x the
+largest error of the plain requests in the same run, greedy tokens must agree wherever the
+reference's top-2 margin exceeds that error, and usage must equal the reference server's.
+
+Writes ``$AKV_BENCH_OUT/akv_served_check.json``; exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from akv.system.reference_server import Engine, ReferenceServer
+
+RATIO = 1.5
+TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
+                                          "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
+                                                         "required": ["id"]}}}]
+
+
+def call(i: int) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": "read_record", "arguments": json.dumps({"id": f"R-{i}"})}}]}
+
+
+def result(i: int, words: int) -> dict[str, Any]:
+    body = " ".join(f"field{j}=value{(i * 31 + j) % 97}" for j in range(words))
+    return {"role": "tool", "tool_call_id": f"call_{i}", "content": f"record R-{i}: {body}; next R-{i + 1}"}
+
+
+def requests() -> list[tuple[str, dict[str, Any]]]:
+    """(name, body) in serving order: an agent's turns, plain first, then with cache operations."""
+    system = {"role": "system", "content": "You follow chains of records with the read_record tool."}
+    task = {"role": "user", "content": "Start at R-0 and follow the chain to its end."}
+    history = [system, task]
+    out: list[tuple[str, dict[str, Any]]] = []
+    drops: dict[str, list[int]] = {}
+    repositions: list[int] = []
+    for turn in range(8):
+        history = history + [call(turn), result(turn, 40 + 13 * turn)]
+        anchor = len(history) - 1
+        if turn >= 2:
+            drops[str(anchor)] = [anchor - 4]
+        if turn >= 3 and turn % 2 == 1:
+            repositions.append(anchor)
+        body: dict[str, Any] = {"messages": list(history), "tools": TOOLS}
+        if drops or repositions:
+            body["drop_message"] = {k: list(v) for k, v in drops.items()}
+            if repositions:
+                body["reposition"] = list(repositions)
+            out.append((f"context-turn-{turn}", body))
+        else:
+            out.append((f"plain-turn-{turn}", body))
+        out.append((f"plain-probe-{turn}", {"messages": list(history)[:-1] + [
+            {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"probe {turn}"}], "tools": TOOLS}))
+    return out
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    full = {"model": "default", "max_tokens": 8, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, **body}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(full).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """Log-prob error over the common prefix of generated tokens, and the reference's margin at the
+    first differing token (None when all agree)."""
+    mine = got["choices"][0]["logprobs"]["content"]
+    ref = want["choices"][0]["logprobs"]["content"]
+    error, margin_at_split, agree = 0.0, None, 0
+    for a, b in zip(mine, ref):
+        error = max(error, abs(a["logprob"] - b["logprob"]))
+        if a["token"] != b["token"]:
+            top = sorted((t["logprob"] for t in b["top_logprobs"]), reverse=True)
+            margin_at_split = top[0] - top[1] if len(top) > 1 else float("inf")
+            break
+        agree += 1
+    return {"error": error, "agree": agree, "n": len(ref), "margin_at_split": margin_at_split,
+            "usage": got["usage"], "reference_usage": want["usage"]}
+
+
+def main() -> int:
+    url = os.environ["SGLANG_BASE_URL"]
+    model = Path(os.environ["AKV_TINY_MODEL"])
+    out_dir = Path(os.environ.get("AKV_BENCH_OUT", "."))
+    reference = ReferenceServer(Engine(model, name="default", kv_slots=16384))
+    reference.start_in_background()
+    rows = {}
+    started = time.time()
+    try:
+        for name, body in requests():
+            rows[name] = compare(post(url, body), post(reference.url, body))
+            print(f"{name}: {rows[name]['error']:.3f} agree {rows[name]['agree']}/{rows[name]['n']}", flush=True)
+    finally:
+        reference.shutdown()
+        reference.server_close()
+    plain_error = max(r["error"] for n, r in rows.items() if n.startswith("plain"))
+    bound = RATIO * plain_error
+    failures = []
+    for name, row in rows.items():
+        if name.startswith("context") and row["error"] > bound:
+            failures.append(f"{name}: log-prob error {row['error']:.3f} > {RATIO} x plain {plain_error:.3f}")
+        if row["margin_at_split"] is not None and row["margin_at_split"] > bound:
+            failures.append(f"{name}: tokens differ where the reference's margin {row['margin_at_split']:.3f} > {bound:.3f}")
+        got = row["usage"].get("prompt_tokens_details")
+        want = row["reference_usage"].get("prompt_tokens_details")
+        if name.startswith("context") and got != want:
+            failures.append(f"{name}: usage {got} != reference {want}")
+        if row["usage"]["prompt_tokens"] != row["reference_usage"]["prompt_tokens"]:
+            failures.append(f"{name}: prompt_tokens differ")
+    report = {"command": "tools/gpu/akv_served_check.py (run by tools/gpu/run.sh with AKV_BENCH_LIVE)",
+              "plain_max_logprob_error": plain_error, "bound": bound, "requests": rows, "failures": failures,
+              "seconds": round(time.time() - started, 1)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "akv_served_check.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("plain_max_logprob_error", "bound", "failures")}, indent=2))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
