@@ -281,3 +281,21 @@ def load_demo_run(run_dir: Path, counter: Any) -> Trajectory:
             generated[len(payload["messages"])] = usage["completion_tokens"]
     messages = list(payload["messages"]) + [reply]
     return from_messages(run_dir.name, messages, counter, generated, payload.get("tools"))
+
+
+def truncate(trajectory: Trajectory, turns: int) -> Trajectory:
+    """The first `turns` calls: messages up to the `turns`-th assistant message, which becomes the
+    final reply (its tool calls and results are cut; its token counts are kept)."""
+    calls = trajectory.calls
+    if type(turns) is not int or turns < 1:
+        raise TrajectoryError(f"turns must be a positive int, got {turns!r}")
+    if turns >= len(calls):
+        return trajectory
+    last = calls[turns - 1]
+    spec = trajectory.specs[last]
+    specs = trajectory.specs[:last] + (MessageSpec("assistant", spec.tokens, spec.generated, 0, spec.reasoning),)
+    messages = None
+    if trajectory.messages is not None:
+        final = {k: v for k, v in trajectory.messages[last].items() if k != "tool_calls"}
+        messages = tuple(trajectory.messages[:last]) + (final,)
+    return Trajectory(trajectory.name, specs, trajectory.generation_tokens, messages)
