@@ -12,7 +12,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from akv.agent import CachePolicy, CacheOperationHistory, ResultSelection, TokenLayout, TurnReposition
+from akv.agent import (
+    CachePolicy,
+    CacheOperationHistory,
+    ResultSelection,
+    TokenLayout,
+    TokenReposition,
+    TurnReposition,
+)
 from bench.agent_replay.chat import skeleton
 from bench.agent_replay.trajectories import Trajectory, TrajectoryError
 
@@ -170,13 +177,19 @@ class AKV:
                           trajectory.specs[a].generated, sent.get("drop_message"), sent.get("reposition"))
 
 
-def reference_policy(keep: int = 12) -> PolicyFactory:
+def reference_policy(keep: int = 12, reposition_tokens: int | None = None) -> PolicyFactory:
     """The reference's headline policy: keep the `keep` newest tool results (ResultSelection), keep
-    all reasoning, compact positions at every drop."""
-    return lambda counter: CachePolicy(selector=ResultSelection(keep), reposition=TurnReposition())
+    all reasoning; compact positions at every drop, or with `reposition_tokens` only once the next
+    free position would exceed that many tokens (TokenReposition)."""
+    if reposition_tokens is None:
+        return lambda counter: CachePolicy(selector=ResultSelection(keep), reposition=TurnReposition())
+    return lambda counter: CachePolicy(selector=ResultSelection(keep),
+                                       reposition=TokenReposition(reposition_tokens, counter))
 
 
 def default_methods() -> list[Method]:
-    """Full context, Standard (96k), Text Engineering (48k), trimming (12 results), AKV (12 results)."""
+    """Full context, Standard (96k), Text Engineering (48k), trimming (12 results), and AKV keeping
+    12 results with positions compacted past 96k (`akv_keep12`) or at every drop (`akv_keep12_every_turn`)."""
     return [FullContext(), Summarize(96_000, name="standard"), Summarize(48_000, name="text_engineering"),
-            Trim(12), AKV(reference_policy(12), name="akv_keep12")]
+            Trim(12), AKV(reference_policy(12, 96_000), name="akv_keep12"),
+            AKV(reference_policy(12), name="akv_keep12_every_turn")]

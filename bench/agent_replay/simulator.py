@@ -22,7 +22,7 @@ from akv.system.context.rules import parse_rules
 from bench.agent_replay.methods import Method, Piece, Request
 from bench.agent_replay.trajectories import Trajectory
 
-DEFAULT_POOL_SLOTS = 1 << 21
+DEFAULT_POOL_SLOTS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class PriceTable:
 @dataclass(frozen=True)
 class CallRow:
     """One request's counts. `prompt` = prefilled + cached + repos + skipped; `live` is the number
-    of KV entries the first generated token attends to."""
+    of KV entries the first generated token attends to; `pool_used` the KV slots the cache holds
+    after the request (tree versions, re-rotated copies included)."""
 
     trajectory: str
     method: str
@@ -55,6 +56,7 @@ class CallRow:
     skipped: int
     generated: int
     live: int
+    pool_used: int
     cost: float
 
     def as_dict(self) -> dict[str, object]:
@@ -106,7 +108,8 @@ class Simulator:
         read = usage.cached_tokens + usage.repos_tokens
         return CallRow(trajectory, method, request.turn, request.kind, program.n_prompt, prefilled,
                        usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens, request.generated,
-                       int(plan.terminal.tokens.size), self.prices.cost(prefilled, read, request.generated))
+                       int(plan.terminal.tokens.size), self.core.pool.size - self.core.pool.n_free,
+                       self.prices.cost(prefilled, read, request.generated))
 
 
 def simulate(trajectory: Trajectory, method: Method, prices: PriceTable = PriceTable(),
@@ -124,6 +127,7 @@ def totals(rows: Iterable[CallRow], prices: PriceTable) -> dict[str, float | int
     out["summary_calls"] = sum(r.kind == "summary" for r in rows)
     out["max_prompt"] = max((r.prompt for r in rows), default=0)
     out["max_live"] = max((r.live for r in rows), default=0)
+    out["max_pool_used"] = max((r.pool_used for r in rows), default=0)
     prefill = prices.cost(int(out["prefilled"]), 0, 0)
     read = prices.cost(0, int(out["cached"]) + int(out["repos"]), 0)
     output = prices.cost(0, 0, int(out["generated"]))
