@@ -7,8 +7,8 @@ generated, and their cost under a price table.
         [--akv-keep 12] [--akv-reposition-tokens 96000] [--price-input 1.25 --price-cached 0.125 --price-output 10]
         --out bench/results/simulate.json
 
-Writes the JSON (with the exact command; per-call counts as column arrays), a markdown table next
-to it (.md), and two SVG plots (.calls.svg: live tokens and cumulative cost per call of the first
+Writes the JSON (with the exact command; totals overall and per trajectory), the per-call counts as
+column arrays (.calls.json), a markdown table (.md), and two SVG plots (.calls.svg: live tokens and cumulative cost per call of the first
 trajectory; .totals.svg: cost per method, split into prefill, cache reads and output)."""
 
 from __future__ import annotations
@@ -123,11 +123,14 @@ def main(argv: list[str] | None = None) -> int:
               "methods": names, "trajectories": [t.stats() for t in trajectories],
               **report(rows, trajectories, names, prices)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    per_call = result.pop("per_call")
     args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    args.out.with_suffix(".calls.json").write_text(json.dumps({"command": command, "per_call": per_call},
+                                                              separators=(",", ":")) + "\n", encoding="utf-8")
     table = markdown(result["totals"])
     args.out.with_suffix(".md").write_text(f"`{command}`\n\n{table}", encoding="utf-8")
     first = trajectories[0].name
-    calls = result["per_call"][first]
+    calls = per_call[first]
     cumulative = {}
     for m in names:
         rows_m = [r for r in rows if r.trajectory == first and r.method == m]
