@@ -1,23 +1,31 @@
 """Replay agent trajectories against an OpenAI-compatible server over a concurrency sweep.
 
-Each method (full, standard, text_engineering, trim: real re-prefills after text edits; akv_keep12:
-drop_message/reposition from akv.agent, meaningful only on the patched server) replays
-`--conversations` conversations (default: as many as the concurrency level) at each concurrency,
-every request with `max_tokens` = the trajectory's output length and `ignore_eos`. The server's
-cache is flushed (`POST /flush_cache`) before each (method, concurrency) run. Reports output and
-input throughput, P50/P95 request latency and TTFT; writes JSON (with the exact command) and a
-markdown table next to it.
+Each method (full, standard, text_engineering, trim: real re-prefills after text edits;
+akv_keep12, akv_keep12_every_turn: drop_message/reposition from akv.agent, meaningful only on the
+patched server; each row records whether the server reported AKV usage) replays `--conversations`
+conversations (default: as many as the concurrency level) at each concurrency, every request with
+`max_tokens` = the trajectory's output length and `ignore_eos`; the client appends the
+trajectory's own assistant message, not the server's output. The server's cache is flushed
+(`POST /flush_cache`) before each (method, concurrency) run. Reports output and input throughput
+over the run's wall time, P50/P95 request latency and TTFT; writes JSON (with the exact command)
+and a markdown table next to it (.md). A request the server refuses (e.g. a full-context prompt
+past the window) ends its conversation and counts as `failed`.
 
-Intended H200 run (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-token window):
+Intended H200 run (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-token window).
+`--start-turn 40 --max-turns 60` puts the default SWE-like set's full-context prompts at 56k-116k
+tokens, where Standard (96k) summarizes and Text Engineering (48k) already has; each (method,
+concurrency) run lasts about `--run-seconds` plus its longest request, so split the sweep over
+calls to stay within a 10-minute command:
 
     python tools/gpu/make_models.py --tiny /tmp/tiny --qwen3-8b /tmp/qwen3-8b
     python -c "import json,pathlib; p=pathlib.Path('/tmp/qwen3-8b/config.json'); c=json.loads(p.read_text()); \\
 c['max_position_embeddings']=131072; p.write_text(json.dumps(c))"
     python -m sglang.launch_server --model-path /tmp/qwen3-8b --load-format dummy --attention-backend flashinfer \\
         --context-length 131072 --mem-fraction-static 0.85 --enable-cache-report --port 30000 &
-    python bench/serve_replay.py --url http://127.0.0.1:30000 --model-path /tmp/qwen3-8b \\
-        --methods full,standard,text_engineering,trim --concurrency 1,4,8,16,32 --max-turns 40 \\
-        --label "stock sglang 0.5.16 flashinfer" --out bench/results/serve_replay_stock_flashinfer.json
+    python bench/serve_replay.py --url http://127.0.0.1:30000 --model-path /tmp/qwen3-8b --preset swe --count 8 \\
+        --start-turn 40 --max-turns 60 --run-seconds 90 --methods full,standard,text_engineering,trim \\
+        --concurrency 1,4,8,16,32 --label "stock sglang 0.5.16, flashinfer" \\
+        --out bench/results/serve_replay_stock_flashinfer.json
 
 (`--attention-backend triton` for the second row.) Dry run on CPU against the loopback stand-in:
 
@@ -66,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--count", type=int, default=4, help="synthetic trajectories per preset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-turns", type=int, help="cut each trajectory to its first N calls")
+    p.add_argument("--start-turn", type=int, default=0, help="send only the requests from this turn on (the first "
+                                                             "one prefills cold): measures deep in the trajectories")
+    p.add_argument("--run-seconds", type=float, help="per (method, concurrency): start no request after this long")
     p.add_argument("--methods", default="full,standard,text_engineering,trim")
     p.add_argument("--concurrency", default="1,4,8,16,32")
     p.add_argument("--conversations", type=int, help="conversations per run (default: the concurrency level)")
@@ -142,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 n = args.conversations or level
                 conversations = [c for k in range(n) for c in
-                                 prepare(trajectories[k % len(trajectories)], methods[name], [k])]
+                                 prepare(trajectories[k % len(trajectories)], methods[name], [k], args.start_turn)]
                 flushed = flush(url)
-                got, wall = replay(url, conversations, level, args.model, filler, args.timeout)
+                got, wall = replay(url, conversations, level, args.model, filler, args.timeout,
+                                   run_seconds=args.run_seconds)
                 row = {"method": name, "concurrency": level, "conversations": n, "flushed": flushed,
                        **summarize(got, wall)}
                 rows.append(row)

@@ -95,6 +95,14 @@ def report(rows: list[CallRow], trajectories: list[Trajectory], names: list[str]
     return {"totals": overall, "per_trajectory": per_trajectory, "per_call": per_call}
 
 
+def _versus(saving: float | None) -> str:
+    if saving is None:
+        return "-"
+    if saving == 0:
+        return "0"
+    return f"{abs(saving):.1%} " + ("cheaper" if saving > 0 else "dearer")
+
+
 def markdown(overall: dict[str, dict[str, Any]]) -> str:
     head = ("method", "calls", "prefilled", "cached", "re-rotated", "skipped", "generated", "max live", "max KV slots",
             "cost $", "vs standard", "cache-read share", "prefill share", "output share")
@@ -103,7 +111,7 @@ def markdown(overall: dict[str, dict[str, Any]]) -> str:
         saving = t["saving_vs_standard"]
         cells = [m, str(t["calls"]), *(f"{t[k]:,}" for k in ("prefilled", "cached", "repos", "skipped", "generated",
                                                              "max_live", "max_pool_used")),
-                 f"{t['cost']:.3f}", "-" if saving is None else f"{-saving:+.1%}",
+                 f"{t['cost']:.3f}", _versus(saving),
                  f"{t['cache_read_share']:.1%}", f"{t['prefill_share']:.1%}", f"{t['output_share']:.1%}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".calls.svg").write_text(line_panels(
         [(f"{first}: KV entries the reply attends to, per call", {m: calls[m]["live"] for m in names}),
          (f"{first}: tokens prefilled per call", {m: calls[m]["prefilled"] for m in names}),
-         (f"{first}: cumulative cost ($)", cumulative)], "call"), encoding="utf-8")
+         (f"{first}: cumulative cost ($)", cumulative)], "request (summarization calls included)"), encoding="utf-8")
     bars = {m: {"prefill": t["cost"] * t["prefill_share"], "cache read": t["cost"] * t["cache_read_share"],
                 "output": t["cost"] * t["output_share"]} for m, t in result["totals"].items()}
     args.out.with_suffix(".totals.svg").write_text(stacked_bars("Cost of the trajectory set by method", bars, "$"),

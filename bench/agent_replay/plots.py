@@ -62,7 +62,7 @@ def stacked_bars(title: str, bars: Mapping[str, Mapping[str, float]], unit: str)
     part_names = list(dict.fromkeys(p for b in bars.values() for p in b))
     height = TOP + 28 * len(names) + 60
     total_max = max((sum(b.values()) for b in bars.values()), default=0) or 1
-    left, width = 130, W - 130 - 40
+    left, width = 130, W - 130 - 90
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" font-family="sans-serif">'
              f'<rect width="100%" height="100%" fill="white"/><text x="10" y="18" font-size="13">{escape(title)}</text>']
     for row, name in enumerate(names):

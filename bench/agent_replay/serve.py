@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,9 +30,11 @@ class Conversation:
     requests: tuple[Request, ...]
 
 
-def prepare(trajectory: Trajectory, method: Method, copies: Sequence[int]) -> list[Conversation]:
+def prepare(trajectory: Trajectory, method: Method, copies: Sequence[int], start_turn: int = 0) -> list[Conversation]:
     """Conversations `copies` (global indexes) of one trajectory under one method. The tag goes in
-    front of the system prompt; AKV decides on the tagged messages with akv.agent."""
+    front of the system prompt; AKV decides on the tagged messages with akv.agent. With
+    `start_turn`, requests of earlier turns are not sent: the first request prefills that turn's
+    prompt cold (AKV's fields are cumulative, so they still hold every earlier decision)."""
     if trajectory.messages is None:
         raise ValueError(f"{trajectory.name}: no chat messages; realize them first (bench.agent_replay.chat.realize)")
     out = []
@@ -44,6 +45,7 @@ def prepare(trajectory: Trajectory, method: Method, copies: Sequence[int]) -> li
             requests = tuple(method.requests(trajectory, messages))
         else:
             requests = tuple(method.requests(trajectory))
+        requests = tuple(r for r in requests if r.turn >= start_turn)
         out.append(Conversation(index, trajectory, tuple(messages), requests))
     return out
 
@@ -100,10 +102,11 @@ Send = Callable[[str, dict[str, Any], float], Any]
 
 
 def replay(url: str, conversations: Sequence[Conversation], concurrency: int, model: str, filler: Filler,
-           timeout_s: float = 600.0, send: Send | None = None,
+           timeout_s: float = 600.0, send: Send | None = None, run_seconds: float | None = None,
            progress: Callable[[str], None] | None = None) -> tuple[list[Sample], float]:
     """Run every conversation, at most `concurrency` at a time; a conversation stops at its first
-    failed request (as an agent would). Returns the samples and the wall time in seconds."""
+    failed request (as an agent would). With `run_seconds`, no request starts after that many
+    seconds (those in flight finish). Returns the samples and the wall time in seconds."""
     send = send or (lambda u, body, t: send_chat_request(u, body, timeout=t))
     queue = list(reversed(conversations))
     lock = threading.Lock()
@@ -117,6 +120,8 @@ def replay(url: str, conversations: Sequence[Conversation], concurrency: int, mo
                     return
                 conversation = queue.pop()
             for request in conversation.requests:
+                if run_seconds is not None and time.monotonic() - started >= run_seconds:
+                    return
                 body = payload(conversation, request, model, filler)
                 t0 = time.monotonic()
                 try:

@@ -114,3 +114,18 @@ def test_cli_sweep_writes_json_and_markdown(tmp_path: Path):
     assert len(result["samples"]["full@2"]) == 10
     table = out.with_suffix(".md").read_text()
     assert table.count("| akv_keep12 |") == 2 and "P95 latency s" in table
+
+
+def test_start_turn_skips_earlier_requests_and_keeps_akv_decisions():
+    t = _trajectory(1, turns=9)
+    whole = prepare(t, AKV(reference_policy(3)), [0])[0].requests
+    deep = prepare(t, AKV(reference_policy(3)), [0], start_turn=5)[0].requests
+    assert deep == tuple(r for r in whole if r.turn >= 5) and deep[0].turn == 5
+    assert deep[0].drop_message  # the cumulative fields carry the decisions of turns not sent
+
+
+def test_no_request_starts_after_run_seconds():
+    convs = prepare(_trajectory(1), FullContext(), [0, 1])
+    sent = []
+    samples, _ = replay("http://unused", convs, 2, "m", FILLER, send=lambda *a: sent.append(a), run_seconds=0)
+    assert samples == [] and sent == []
