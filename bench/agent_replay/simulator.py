@@ -75,11 +75,11 @@ class TokenIds:
 
     def of(self, piece: Piece) -> np.ndarray:
         ids = self._ids.get(piece.key)
-        if ids is None or ids.size != piece.tokens:
-            if ids is not None:
-                raise ValueError(f"piece {piece.key}: {piece.tokens} tokens, earlier {ids.size}")
+        if ids is None:
             ids = self._ids[piece.key] = np.arange(self._next, self._next + piece.tokens, dtype=np.int64)
             self._next += piece.tokens
+        elif ids.size != piece.tokens:
+            raise ValueError(f"piece {piece.key}: {piece.tokens} tokens, but {ids.size} earlier")
         return ids
 
 
