@@ -51,8 +51,10 @@ def prepare(trajectory: Trajectory, method: Method, copies: Sequence[int], start
 
 
 def payload(conversation: Conversation, request: Request, model: str, filler: Filler) -> dict[str, Any]:
-    """The chat completion body of one request: the pieces as chat messages (summaries, instructions
-    and placeholders sized with `filler`), the fixed output length, and AKV's fields if any."""
+    """The chat completion body of one request: the pieces as chat messages, the fixed output
+    length, and AKV's fields if any. Original messages are sent as realized (exact token counts);
+    summaries and instructions get `filler` text of about their piece's tokens (the template's
+    scaffolding estimated as MESSAGE_OVERHEAD), placeholders the fixed PLACEHOLDER text."""
     messages: list[dict[str, Any]] = []
     for piece in request.pieces:
         kind, k = piece.key
