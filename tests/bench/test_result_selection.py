@@ -86,3 +86,9 @@ def test_incremental_calls_decide_the_same_as_one_call():
 def test_count_must_be_a_positive_int(count):
     with pytest.raises(ConfigError, match="ResultSelection.count"):
         ResultSelection(count)
+
+
+def test_a_user_boundary_counts_the_results_before_it():
+    messages = _conversation([2]) + [{"role": "user", "content": "go on"}]
+    sent, _ = CachePolicy(selector=ResultSelection(1)).process(_payload(messages), completed_call_message_ids=[4, 5])
+    assert sent["drop_message"] == {"5": [3]}
