@@ -28,7 +28,7 @@ from akv.agent.protection import Protection
 from akv.agent.receipts import ModelRequest
 from akv.agent.reposition import ModelReposition, TokenReposition, TurnReposition
 from akv.agent.results import GenerationResult, Timings, ToolCall, Usage
-from akv.agent.selectors import ModelSelection, TokenSelection, TurnSelection
+from akv.agent.selectors import ModelSelection, ResultSelection, TokenSelection, TurnSelection
 from akv.agent.templating import TemplateInputError, TemplateInputs, sglang_template_inputs
 from akv.agent.tool import DropContextTool
 from akv.agent.transport import send_chat_request
@@ -38,8 +38,10 @@ __all__ = [
     "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
     "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
     "HistoryError", "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest",
-    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "RuleError", "StreamError",
+    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "ResultSelection", "RuleError",
+    "StreamError",
     "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
     "TokenReposition", "TokenSelection", "TokenTrigger", "ToolCall", "TransportError", "TurnReposition",
-    "TurnSelection", "TurnTrigger", "UnexpectedResponseError", "Usage", "extra_body", "send_chat_request", "sglang_template_inputs",
+    "TurnSelection", "TurnTrigger", "UnexpectedResponseError", "Usage", "extra_body", "send_chat_request",
+    "sglang_template_inputs",
 ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from akv.agent import checks
@@ -39,6 +40,45 @@ class TurnSelection:
                     break
                 out.append(i)
         out.sort()
+        return out
+
+
+@dataclass(frozen=True)
+class ResultSelection:
+    """Keep the newest `count` tool results; select every older tool result. Counts results, not
+    turns: with parallel calls (several results per batch) the two differ, and this is the window the
+    published reference's headline numbers used. Results already dropped or protected still count
+    towards the `count` newest, so the window is the same whatever else the policy drops.
+
+    Anchor: the boundary being decided, i.e. the end of the tool-call batch whose results pushed the
+    older ones out of the window. The reference anchors each drop at the result that made it expire,
+    which can sit inside a batch; `CachePolicy` decides only at completed turns, and the two anchors
+    give the next query the same visible messages and the server the same reuse (the results after
+    a mid-batch anchor are new tokens, prefilled either way). They differ only in whether the later
+    results of that batch attend to the expired result when they are prefilled."""
+
+    count: int
+
+    def __post_init__(self) -> None:
+        checks.positive_int("ResultSelection", "count", self.count)
+
+    def __call__(self, ctx: DecisionContext) -> list[int]:
+        batches = ctx.conversation.batches
+        newest = bisect.bisect_right(batches, ctx.boundary, key=lambda b: b.end)
+        kept = 0
+        limit = -1
+        for batch in reversed(batches[:newest]):
+            if kept + len(batch.results) > self.count:
+                limit = batch.results[-(self.count - kept) - 1]
+                break
+            kept += len(batch.results)
+        if limit < 0:
+            return []
+        out = []
+        for i in ctx.droppable(("tool",)):
+            if i > limit:
+                break
+            out.append(i)
         return out
 
 

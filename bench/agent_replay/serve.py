@@ -1,0 +1,191 @@
+"""Serving replay: N agent conversations replayed against an OpenAI-compatible server, at most
+`concurrency` at a time, each sending its method's requests in order with a fixed output length
+(`max_tokens` = the trajectory's, `ignore_eos`), and per-request timings and usage collected."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from akv.agent import BackendError, send_chat_request
+from bench.agent_replay.chat import Filler
+from bench.agent_replay.methods import AKV, Method, Request
+from bench.agent_replay.trajectories import Trajectory
+
+MESSAGE_OVERHEAD = 5
+PLACEHOLDER = "[old tool result cleared]"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One replayed agent: a trajectory with its chat messages, tagged so that no two conversations
+    share a cached prefix, and the method's requests."""
+
+    index: int
+    trajectory: Trajectory
+    messages: tuple[Mapping[str, Any], ...]
+    requests: tuple[Request, ...]
+
+
+def prepare(trajectory: Trajectory, method: Method, copies: Sequence[int], start_turn: int = 0) -> list[Conversation]:
+    """Conversations `copies` (global indexes) of one trajectory under one method. The tag goes in
+    front of the system prompt; AKV decides on the tagged messages with akv.agent. With
+    `start_turn`, requests of earlier turns are not sent: the first request prefills that turn's
+    prompt cold (AKV's fields are cumulative, so they still hold every earlier decision)."""
+    if trajectory.messages is None:
+        raise ValueError(f"{trajectory.name}: no chat messages; realize them first (bench.agent_replay.chat.realize)")
+    out = []
+    for index in copies:
+        messages = [dict(m) for m in trajectory.messages]
+        messages[0]["content"] = f"[conversation {index}] " + str(messages[0].get("content") or "")
+        if isinstance(method, AKV):
+            requests = tuple(method.requests(trajectory, messages))
+        else:
+            requests = tuple(method.requests(trajectory))
+        requests = tuple(r for r in requests if r.turn >= start_turn)
+        out.append(Conversation(index, trajectory, tuple(messages), requests))
+    return out
+
+
+def payload(conversation: Conversation, request: Request, model: str, filler: Filler) -> dict[str, Any]:
+    """The chat completion body of one request: the pieces as chat messages, the fixed output
+    length, and AKV's fields if any. Original messages are sent as realized (exact token counts);
+    summaries and instructions get `filler` text of about their piece's tokens (the template's
+    scaffolding estimated as MESSAGE_OVERHEAD), placeholders the fixed PLACEHOLDER text."""
+    messages: list[dict[str, Any]] = []
+    for piece in request.pieces:
+        kind, k = piece.key
+        if kind == "m":
+            messages.append(dict(conversation.messages[k]))
+        elif kind == "p":
+            messages.append({"role": "tool", "tool_call_id": conversation.messages[k]["tool_call_id"],
+                             "content": PLACEHOLDER})
+        elif kind == "s":
+            text = filler.text(max(0, piece.tokens - MESSAGE_OVERHEAD), 7919 * conversation.index + k)
+            messages.append({"role": "user", "content": "Summary of the work so far:" + text})
+        elif kind == "i":
+            text = filler.text(max(0, piece.tokens - MESSAGE_OVERHEAD), 104729 + k)
+            messages.append({"role": "user", "content": "Summarize the conversation so far." + text})
+        else:
+            raise ValueError(f"piece {piece.key}: unknown kind {kind!r}")
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": request.generated,
+                            "ignore_eos": True, "temperature": 0.0, "stream": True}
+    if request.drop_message:
+        body["drop_message"] = dict(request.drop_message)
+    if request.reposition:
+        body["reposition"] = list(request.reposition)
+    return body
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request as served: seconds from the start of the run, TTFT and latency in seconds, and
+    the server's usage (None where it reported none); `error` when the request failed."""
+
+    conversation: int
+    trajectory: str
+    turn: int
+    kind: str
+    start_s: float
+    ttft_s: float | None
+    latency_s: float
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    repos_tokens: int | None
+    drop_skipped_tokens: int | None
+    error: str | None = None
+
+
+Send = Callable[[str, dict[str, Any], float], Any]
+
+
+def replay(url: str, conversations: Sequence[Conversation], concurrency: int, model: str, filler: Filler,
+           timeout_s: float = 600.0, send: Send | None = None, run_seconds: float | None = None,
+           progress: Callable[[str], None] | None = None) -> tuple[list[Sample], float]:
+    """Run every conversation, at most `concurrency` at a time; a conversation stops at its first
+    failed request (as an agent would). With `run_seconds`, no request starts after that many
+    seconds (those in flight finish). Returns the samples and the wall time in seconds."""
+    send = send or (lambda u, body, t: send_chat_request(u, body, timeout=t))
+    queue = list(reversed(conversations))
+    lock = threading.Lock()
+    samples: list[Sample] = []
+    started = time.monotonic()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                conversation = queue.pop()
+            for request in conversation.requests:
+                if run_seconds is not None and time.monotonic() - started >= run_seconds:
+                    return
+                body = payload(conversation, request, model, filler)
+                t0 = time.monotonic()
+                try:
+                    result = send(url, body, timeout_s)
+                except BackendError as exc:
+                    sample = Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind,
+                                    t0 - started, None, time.monotonic() - t0, None, None, None, None, None,
+                                    str(exc)[:300])
+                else:
+                    usage = result.usage
+                    sample = Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind,
+                                    t0 - started, result.timings.ttft_s, result.timings.total_s,
+                                    *(getattr(usage, k) if usage is not None else None for k in (
+                                        "prompt_tokens", "completion_tokens", "cached_tokens", "repos_tokens",
+                                        "drop_skipped_tokens")))
+                with lock:
+                    samples.append(sample)
+                if sample.error is not None:
+                    break
+            if progress is not None:
+                progress(f"conversation {conversation.index} ({conversation.trajectory.name}) done")
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(conversations)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return samples, time.monotonic() - started
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile `q` in [0, 100]; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(samples: Sequence[Sample], wall_s: float) -> dict[str, Any]:
+    """Throughput over the run's wall time and request-level percentiles (failed requests excluded)."""
+    ok = [s for s in samples if s.error is None]
+    output = sum(s.completion_tokens or 0 for s in ok)
+    prompt = sum(s.prompt_tokens or 0 for s in ok)
+    cached = sum(s.cached_tokens or 0 for s in ok)
+    latencies = [s.latency_s for s in ok]
+    ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
+    akv_reported = any(s.drop_skipped_tokens is not None for s in ok)
+    return {
+        "requests": len(ok), "failed": len(samples) - len(ok), "wall_s": wall_s,
+        "output_tokens": output, "prompt_tokens": prompt, "cached_tokens": cached,
+        "output_tok_per_s": output / wall_s if wall_s else None,
+        "input_tok_per_s": prompt / wall_s if wall_s else None,
+        "cached_fraction": cached / prompt if prompt else None,
+        "latency_p50_s": percentile(latencies, 50), "latency_p95_s": percentile(latencies, 95),
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
+        "server_reported_akv_usage": akv_reported,
+        "first_errors": sorted({s.error for s in samples if s.error is not None})[:3],
+    }
+
+
+def sample_dicts(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    return [asdict(s) for s in samples]

@@ -1,0 +1,182 @@
+"""Replay agent trajectories against an OpenAI-compatible server over a concurrency sweep.
+
+Each method (full, standard, text_engineering, trim: real re-prefills after text edits;
+akv_keep12, akv_keep12_every_turn: drop_message/reposition from akv.agent, meaningful only on the
+patched server; each row records whether the server reported AKV usage) replays `--conversations`
+conversations (default: as many as the concurrency level) at each concurrency, every request with
+`max_tokens` = the trajectory's output length and `ignore_eos`; the client appends the
+trajectory's own assistant message, not the server's output. The server's cache is flushed
+(`POST /flush_cache`) before each (method, concurrency) run. Reports output and input throughput
+over the run's wall time, P50/P95 request latency and TTFT; writes JSON (with the exact command)
+and a markdown table next to it (.md). A request the server refuses (e.g. a full-context prompt
+past the window) ends its conversation and counts as `failed`.
+
+Intended H200 run (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-token window).
+`--start-turn 40 --max-turns 60` puts the default SWE-like set's full-context prompts at 56k-116k
+tokens, where Standard (96k) summarizes and Text Engineering (48k) already has; each (method,
+concurrency) run lasts about `--run-seconds` plus its longest request, so split the sweep over
+calls to stay within a 10-minute command:
+
+    python tools/gpu/make_models.py --tiny /tmp/tiny --qwen3-8b /tmp/qwen3-8b
+    python -c "import json,pathlib; p=pathlib.Path('/tmp/qwen3-8b/config.json'); c=json.loads(p.read_text()); \\
+c['max_position_embeddings']=131072; p.write_text(json.dumps(c))"
+    python -m sglang.launch_server --model-path /tmp/qwen3-8b --load-format dummy --attention-backend flashinfer \\
+        --context-length 131072 --mem-fraction-static 0.85 --enable-cache-report --port 30000 &
+    python bench/serve_replay.py --url http://127.0.0.1:30000 --model-path /tmp/qwen3-8b --preset swe --count 8 \\
+        --start-turn 40 --max-turns 60 --run-seconds 90 --methods full,standard,text_engineering,trim \\
+        --concurrency 1,4,8,16,32 --label "stock sglang 0.5.16, flashinfer" \\
+        --out bench/results/serve_replay_stock_flashinfer.json
+
+(`--attention-backend triton` for the second row.) Dry run on CPU against the loopback stand-in:
+
+    python bench/serve_replay.py --loopback --count 1 --max-turns 6 --concurrency 1,2 --out /tmp/replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from akv.agent import ApproximateTokenCounter  # noqa: E402
+from bench.agent_replay import loopback  # noqa: E402
+from bench.agent_replay.chat import Filler, realize  # noqa: E402
+from bench.agent_replay.methods import default_methods  # noqa: E402
+from bench.agent_replay.serve import prepare, replay, sample_dicts, summarize  # noqa: E402
+from bench.agent_replay.trajectories import PRESETS, Trajectory, generate, load_jsonl, truncate  # noqa: E402
+
+COLUMNS = (("method", "method"), ("concurrency", "conc."), ("requests", "requests"), ("failed", "failed"),
+           ("output_tok_per_s", "output tok/s"), ("input_tok_per_s", "input tok/s"), ("cached_fraction", "cached"),
+           ("latency_p50_s", "P50 latency s"), ("latency_p95_s", "P95 latency s"), ("ttft_p50_s", "P50 TTFT s"),
+           ("ttft_p95_s", "P95 TTFT s"))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="server base URL (http://host:port)")
+    p.add_argument("--loopback", action="store_true", help="start the CPU loopback stand-in and replay against it")
+    p.add_argument("--model", default="default", help="model name sent in each request")
+    p.add_argument("--model-path", type=Path, help="folder with the served tokenizer and chat template (exact "
+                                                   "token counts); default: akv.agent.ApproximateTokenCounter")
+    p.add_argument("--reasoning-field", action="store_true", help="send reasoning as reasoning_content (templates "
+                                                                  "that render it, e.g. Qwen3's)")
+    p.add_argument("--trajectories", type=Path, help="JSONL of per-message token counts (default: synthetic)")
+    p.add_argument("--preset", choices=sorted(PRESETS), action="append", help="synthetic presets (default: both)")
+    p.add_argument("--count", type=int, default=4, help="synthetic trajectories per preset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-turns", type=int, help="cut each trajectory to its first N calls")
+    p.add_argument("--start-turn", type=int, default=0, help="send only the requests from this turn on (the first "
+                                                             "one prefills cold): measures deep in the trajectories")
+    p.add_argument("--run-seconds", type=float, help="per (method, concurrency): start no request after this long")
+    p.add_argument("--methods", default="full,standard,text_engineering,trim")
+    p.add_argument("--concurrency", default="1,4,8,16,32")
+    p.add_argument("--conversations", type=int, help="conversations per run (default: the concurrency level)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per socket operation")
+    p.add_argument("--label", default="", help="what the server is (recorded in the results)")
+    p.add_argument("--samples", action="store_true", help="also write every request's sample")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    if bool(args.url) == args.loopback:
+        p.error("give exactly one of --url and --loopback")
+    return args
+
+
+def load_trajectories(args: argparse.Namespace) -> list[Trajectory]:
+    if args.trajectories:
+        found = load_jsonl(args.trajectories)
+    else:
+        found = [generate(PRESETS[name], args.seed * 1000 + k, f"{name}-{args.seed * 1000 + k}")
+                 for name in (args.preset or ["swe", "browse"]) for k in range(args.count)]
+    return [truncate(t, args.max_turns) if args.max_turns else t for t in found]
+
+
+def with_messages(trajectories: list[Trajectory], args: argparse.Namespace) -> tuple[list[Trajectory], Filler]:
+    if args.model_path:
+        from akv.agent.tokens import ChatTemplateTokenCounter
+
+        counter: Any = ChatTemplateTokenCounter.from_pretrained(str(args.model_path))
+        filler = Filler.for_tokenizer(counter.tokenizer)
+    else:
+        counter, filler = ApproximateTokenCounter(), Filler.for_approximate()
+    out = []
+    for t in trajectories:
+        messages = realize(t, counter, filler, reasoning_field=args.reasoning_field)
+        out.append(Trajectory(t.name, t.specs, t.generation_tokens, tuple(messages)))
+    return out, filler
+
+
+def flush(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/flush_cache", data=b"", method="POST"),
+                                    timeout=60) as response:
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = []
+        for key, _ in COLUMNS:
+            value = row.get(key)
+            cells.append("-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python bench/serve_replay.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    methods = {m.name: m for m in default_methods()}
+    chosen = [s.strip() for s in args.methods.split(",") if s.strip()]
+    unknown = [m for m in chosen if m not in methods]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(methods)}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    trajectories, filler = with_messages(load_trajectories(args), args)
+    print(f"{len(trajectories)} trajectories ready; methods {chosen}; concurrency {levels}", flush=True)
+    rows, samples = [], {}
+    with ExitStack() as stack:
+        state = loopback.Loopback() if args.loopback else None
+        url = stack.enter_context(loopback.serve(state)) if state is not None else args.url
+        for name in chosen:
+            for level in levels:
+                n = args.conversations or level
+                conversations = [c for k in range(n) for c in
+                                 prepare(trajectories[k % len(trajectories)], methods[name], [k], args.start_turn)]
+                flushed = flush(url)
+                got, wall = replay(url, conversations, level, args.model, filler, args.timeout,
+                                   run_seconds=args.run_seconds)
+                row = {"method": name, "concurrency": level, "conversations": n, "flushed": flushed,
+                       **summarize(got, wall)}
+                rows.append(row)
+                if args.samples:
+                    samples[f"{name}@{level}"] = sample_dicts(got)
+                print(f"{name:>18} c={level:<3} {row['requests']:5d} requests ({row['failed']} failed) in "
+                      f"{wall:8.1f} s: {row['output_tok_per_s'] or 0:9.1f} out tok/s, "
+                      f"P95 {row['latency_p95_s'] or 0:.2f} s", flush=True)
+    result = {"command": command, "label": args.label, "url": "loopback" if args.loopback else args.url,
+              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "trajectories": [t.stats() for t in trajectories], "rows": rows}
+    if args.samples:
+        result["samples"] = samples
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    table = markdown(rows)
+    args.out.with_suffix(".md").write_text(f"`{command}`\n\n{args.label}\n\n{table}", encoding="utf-8")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

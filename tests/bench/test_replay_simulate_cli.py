@@ -1,0 +1,45 @@
+"""`bench/simulate.py` writes the JSON (exact command, totals that are the sums of the per-call
+columns, savings against Standard), the markdown table and both SVG plots."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from bench.agent_replay.simulator import PriceTable
+from bench.agent_replay.trajectories import SWE, generate, to_jsonl
+from bench.simulate import main
+
+
+def test_cli_outputs(tmp_path: Path):
+    source = tmp_path / "t.jsonl"
+    to_jsonl([generate(SWE, 1, "a", turns=30), generate(SWE, 2, "b", turns=20)], source)
+    out = tmp_path / "sim.json"
+    argv = ["--trajectories", str(source), "--standard-threshold", "20000", "--te-threshold", "10000",
+            "--summary-tokens", "500", "--trim-keep", "4", "--akv-keep", "4", "--akv-reposition-tokens", "15000",
+            "--price-input", "3", "--price-cached", "0.3", "--price-output", "15", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["command"] == "python bench/simulate.py " + " ".join(argv)
+    names = ["full", "standard", "text_engineering", "trim", "akv_keep4", "akv_keep4_every_turn"]
+    assert result["methods"] == names
+    prices = PriceTable(3, 0.3, 15)
+    per_call = json.loads(out.with_suffix(".calls.json").read_text())
+    assert per_call["command"] == result["command"]
+    for name in names:
+        columns = [per_call["per_call"][t][name] for t in ("a", "b")]
+        total = result["totals"][name]
+        for key in ("prefilled", "cached", "repos", "skipped", "generated"):
+            assert total[key] == sum(sum(c[key]) for c in columns)
+        assert total["cost"] == pytest.approx(prices.cost(total["prefilled"], total["cached"] + total["repos"],
+                                                          total["generated"]))
+        base = result["totals"]["standard"]["cost"]
+        assert total["saving_vs_standard"] == pytest.approx(1 - total["cost"] / base)
+    assert result["totals"]["standard"]["summary_calls"] >= 2
+    table = out.with_suffix(".md").read_text()
+    assert all(f"| {name} |" in table for name in names)
+    for suffix in (".calls.svg", ".totals.svg"):
+        assert ET.fromstring(out.with_suffix(suffix).read_text()).tag.endswith("svg")
