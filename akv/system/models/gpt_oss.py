@@ -178,7 +178,8 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def _write_weights(path: Path, shape: GptOssShape, seed: int, dtype: str) -> None:
-    """Matrices ~ N(0, 1/fan_in) (expert gate/up x3, so the SwiGLU clamp at 7 is reached), norms
+    """Matrices ~ N(0, 1/fan_in) (expert gate/up x3, so the SwiGLU clamp at 7 is reached; LM head x6,
+    so predictions over the 201k vocabulary are peaked), norms
     1 + N(0, 0.1^2), biases N(0, 0.1^2), sinks N(0, 1): attention, routing and logits far from uniform."""
     import torch
     from safetensors.torch import save_file
@@ -206,6 +207,6 @@ def _write_weights(path: Path, shape: GptOssShape, seed: int, dtype: str) -> Non
         tensors[p + "mlp.experts.down_proj"] = normal(n_exp, inter, hidden, std=inter**-0.5)
         tensors[p + "mlp.experts.down_proj_bias"] = normal(n_exp, hidden, std=0.1)
     tensors["model.norm.weight"] = 1.0 + normal(hidden, std=0.1)
-    tensors["lm_head.weight"] = normal(VOCAB_SIZE, hidden, std=2.0 * hidden**-0.5)
+    tensors["lm_head.weight"] = normal(VOCAB_SIZE, hidden, std=6.0 * hidden**-0.5)
     target = torch.float32 if dtype == "float32" else torch.bfloat16
     save_file({name: t.to(target).contiguous() for name, t in tensors.items()}, str(path), metadata={"format": "pt"})

@@ -217,6 +217,20 @@ class ReferenceModel:
         out = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), v)
         return out.reshape(q_rot.shape[0], -1)
 
+    def attend_layer(
+        self,
+        layer: int,
+        q_rot: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        visible: torch.Tensor,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """``layer``'s attention for queries and keys at the given positions: every layer of these models
+        reads all of its visible keys (the gpt-oss reference narrows sliding layers and adds sinks)."""
+        return self.attend(q_rot, k_rot, v, visible)
+
     def finish_layer(self, layer: int, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP block of ``layer``."""
         p = f"model.layers.{layer}."
