@@ -93,6 +93,13 @@ class Yarn:
         return max(low, 0), min(high, rotary_dim - 1)
 
 
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscaled cos/sin of the angles ``position * inv_freq`` (taken in float64), ``[*positions.shape, len]``."""
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
+    return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+
+
 def rotate(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -107,9 +114,8 @@ def rotate(
     rotary_dim = 2 * int(inv_freq.shape[0])
     if rotary_dim > x.shape[-1]:
         raise ValueError(f"inv_freq covers {rotary_dim} features, more than head_dim {x.shape[-1]}")
-    angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
-    cos = (torch.cos(angles).to(work) * scale)[..., None, :]
-    sin = (torch.sin(angles).to(work) * scale)[..., None, :]
+    cos, sin = cos_sin(positions, inv_freq, work)
+    cos, sin = (cos * scale)[..., None, :], (sin * scale)[..., None, :]
     xf = x.to(work)
     rot, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
     if neox:
