@@ -102,3 +102,19 @@ def test_a_file_that_fails_its_hash_is_refused(tmp_path: Path) -> None:
     wheel.write_bytes(b"tampered")
     with pytest.raises(FetchError, match="sha256 of .* is .*, expected"):
         distribution_path(good, tmp_path)
+
+
+def test_cli_tiny_writes_a_bf16_model_the_reference_loads(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from akv.system.reference.gpt_oss import GptOssReferenceModel
+    from akv.system.reference.oracle import run_oracle
+
+    out = tmp_path / "tiny"
+    assert models_main(["gpt-oss-tiny", str(out), "--seed", "1"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["torch_dtype"], config["sliding_window"], config["num_hidden_layers"]) == ("bfloat16", 128, 4)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as weights:
+        assert weights.get_tensor("model.layers.0.self_attn.sinks").dtype == torch.bfloat16
+    logits = run_oracle(GptOssReferenceModel.from_pretrained(out), [200006, 1428, 200008]).logits
+    assert logits.shape == (3, 201088) and bool(torch.isfinite(logits).all())
