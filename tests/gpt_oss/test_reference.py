@@ -127,6 +127,8 @@ def test_sink_joins_the_denominator_and_the_window_is_positional() -> None:
     # A hidden key leaves the sink in place: only key 5 and the sink remain.
     only_last = model.attend_layer(1, q, k, v, torch.tensor([[False, False, True]]), *positions)
     torch.testing.assert_close(only_last, torch.tensor([[0.0, 2 / 3]]))
+    with pytest.raises(ValueError, match="key_positions must be >= 0 on sliding layer 0"):
+        model.attend_layer(0, q, k, v, visible, positions[0], torch.tensor([-1, -1, -1]))
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import torch
 
 from akv.system.reference.model import AttentionInputs, ConfigError
 from akv.system.reference.rope import inv_frequencies
-from akv.system.reference.yarn import Yarn, rotate
+from akv.system.reference.yarn import Yarn, rerotate, rotate
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 SWIGLU_ALPHA = 1.702
@@ -193,6 +193,10 @@ class GptOssReferenceModel:
         """``mscale * R(positions) x`` with the YaRN frequencies (NeoX halves), as the cache stores keys."""
         return rotate(x, positions, self.inv_freq, scale=self.mscale, neox=True).to(self.dtype)
 
+    def rerotate_keys(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+        """``R(new) R(old)^-1 k`` with unscaled angles: a stored ``m R(old) k0`` becomes ``m R(new) k0``."""
+        return rerotate(k, old_positions, new_positions, self.inv_freq, neox=True)
+
     def attend_layer(
         self,
         layer: int,
@@ -214,6 +218,9 @@ class GptOssReferenceModel:
                              f"{tuple(query_positions.shape)} and {tuple(key_positions.shape)}")
         window = self.config.window(layer)
         if window is not None:
+            if bool((key_positions < 0).any()):
+                raise ValueError(f"key_positions must be >= 0 on sliding layer {layer} (each key's position "
+                                 f"decides whether it is in the window), got {int(key_positions.min())}")
             visible = visible & (key_positions[None, :] > query_positions[:, None] - window)
         empty = ~visible.any(dim=1)
         if bool(empty.any()):

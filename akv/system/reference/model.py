@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from akv.system.reference.rope import rotate
+from akv.system.reference.rope import rerotate, rotate
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
@@ -216,6 +216,10 @@ class ReferenceModel:
         scores = scores.masked_fill(~visible[None], float("-inf"))
         out = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), v)
         return out.reshape(q_rot.shape[0], -1)
+
+    def rerotate_keys(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+        """``R(new) R(old)^-1 k`` for keys stored rotated at ``old_positions`` (FP32 formula)."""
+        return rerotate(k, old_positions, new_positions, theta=self.config.rope_theta, neox=True)
 
     def attend_layer(
         self,
