@@ -89,3 +89,13 @@ def test_a_drop_covers_exactly_the_dropped_messages_tokens(harmony_tokenizer: An
     dropped = [t for start, end in drop.ranges for t in range(start, end)]
     assert dropped == [t for t in range(len(owners)) if owners[t] in (2, 3)]
     assert drop.at == int((owners <= 6).sum())
+
+
+def test_reasoning_effort_reaches_the_system_block(harmony_tokenizer: Any) -> None:
+    """SGLang passes a request's reasoning_effort as a template variable."""
+    messages, tools = template_inputs(4)
+    prov = prompt_provenance(harmony_tokenizer, messages, tools=tools, reasoning_effort="high")
+    text = harmony_tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                 reasoning_effort="high")
+    assert prov.token_ids.tolist() == harmony_tokenizer.encode(text, add_special_tokens=False)
+    assert "Reasoning: high\n" in message_text(harmony_tokenizer, prov, 0)
