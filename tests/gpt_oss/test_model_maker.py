@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from akv.system.models.__main__ import main as models_main
+from akv.system.models.gpt_oss import SHAPES, make_gpt_oss_model
 from akv.system.models.o200k import O200K_BASE, harmony_special_tokens
 from akv.system.models.pypi_files import FetchError, PinnedFile, distribution_path, pinned_path, sha256_bytes
 
@@ -83,7 +84,11 @@ def test_config_only_shapes_have_the_published_sizes(tmp_path: Path, size: str, 
     config.quantization_config = None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+    n_parameters = sum(p.numel() for p in model.parameters())
+    assert round(n_parameters / 1e9, 2) == billions
+    assert SHAPES[size].n_parameters == n_parameters
+    with pytest.raises(ValueError, match="random weights are written only up to"):
+        make_gpt_oss_model(tmp_path / "refused", shape=size)
 
 
 def test_a_file_that_fails_its_hash_is_refused(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ CHAT_TEMPLATE = PinnedFile(
 
 STARTOFTEXT, ENDOFTEXT, RETURN, CALL = 199998, 199999, 200002, 200012
 DTYPES = ("bfloat16", "float32")
+MAX_RANDOM_PARAMETERS = 200_000_000
 MXFP4 = {
     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
     "quant_method": "mxfp4",
@@ -63,6 +64,15 @@ class GptOssShape:
                              f"num_local_experts ({self.num_local_experts})")
         if self.head_dim % 2:
             raise ValueError(f"GptOssShape.head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def n_parameters(self) -> int:
+        """Parameter count of the unquantized model (embeddings and LM head included)."""
+        h, i, e = self.hidden_size, self.intermediate_size, self.num_local_experts
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = (h * q + q) + (q * h + h) + 2 * (h * kv + kv) + self.num_attention_heads
+        experts = e * (h * 2 * i + 2 * i + i * h + h) + e * h + e
+        return 2 * VOCAB_SIZE * h + h + self.num_hidden_layers * (attention + experts + 2 * h)
 
 
 SHAPES: dict[str, GptOssShape] = {
@@ -143,6 +153,9 @@ def make_gpt_oss_model(
         dims = replace(dims, sliding_window=sliding_window)
     if weights and mxfp4:
         raise ValueError("mxfp4 is for config-only directories (weights=False); random weights are unquantized")
+    if weights and dims.n_parameters > MAX_RANDOM_PARAMETERS:
+        raise ValueError(f"shape has {dims.n_parameters:,} parameters; random weights are written only up to "
+                         f"{MAX_RANDOM_PARAMETERS:,} (use weights=False and --load-format dummy)")
     config = model_config(dims, dtype=dtype, mxfp4=mxfp4)
     template = chat_template(cache_dir)
     tokenizer = build_harmony_tokenizer(cache_dir=cache_dir)
