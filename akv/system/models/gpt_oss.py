@@ -31,7 +31,8 @@ STARTOFTEXT, ENDOFTEXT, RETURN, CALL = 199998, 199999, 200002, 200012
 DTYPES = ("bfloat16", "float32")
 MAX_RANDOM_PARAMETERS = 200_000_000
 MXFP4 = {
-    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
     "quant_method": "mxfp4",
 }
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,

@@ -246,16 +246,18 @@ class GptOssReferenceModel:
         logits = self._linear(x, p + "router")
         top_values, top_experts = torch.topk(logits, c.experts_per_token, dim=-1)
         weights = torch.softmax(top_values, dim=-1)
+        gate_up_w, gate_up_b = self._w[p + "experts.gate_up_proj"], self._w[p + "experts.gate_up_proj_bias"]
+        down_w, down_b = self._w[p + "experts.down_proj"], self._w[p + "experts.down_proj_bias"]
         out = torch.zeros_like(x)
         for expert in range(c.num_experts):
             token, slot = (top_experts == expert).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
-            gate_up = x[token] @ self._w[p + "experts.gate_up_proj"][expert] + self._w[p + "experts.gate_up_proj_bias"][expert]
+            gate_up = x[token] @ gate_up_w[expert] + gate_up_b[expert]
             gate = gate_up[:, 0::2].clamp(max=c.swiglu_limit)
             up = gate_up[:, 1::2].clamp(-c.swiglu_limit, c.swiglu_limit)
             activated = (up + 1) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
-            expert_out = activated @ self._w[p + "experts.down_proj"][expert] + self._w[p + "experts.down_proj_bias"][expert]
+            expert_out = activated @ down_w[expert] + down_b[expert]
             out.index_add_(0, token, expert_out * weights[token, slot, None])
         return out
 

@@ -109,7 +109,8 @@ def rotate(
     neox: bool = True,
 ) -> torch.Tensor:
     """``scale * R(positions) x`` for ``x[..., tokens, heads, head_dim]``; the first ``2 * len(inv_freq)``
-    features rotate (and are scaled), the rest pass through. Angles are taken in float64; the result is float64 for float64 ``x``, else float32."""
+    features rotate (and are scaled), the rest pass through. Angles are taken in float64; the result
+    is float64 for float64 ``x``, else float32."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     rotary_dim = 2 * int(inv_freq.shape[0])
     if rotary_dim > x.shape[-1]:
