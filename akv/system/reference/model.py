@@ -201,10 +201,6 @@ class ReferenceModel:
         """Neox RoPE of ``x[tokens, heads, head_dim]`` at ``positions[tokens]`` (FP32 formula)."""
         return rotate(x, positions, theta=self.config.rope_theta, neox=True).to(self.dtype)
 
-    def rerotate(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
-        """Keys stored rotated at ``old_positions`` moved to ``new_positions``: ``R(new) R(old)^-1 k`` in FP32."""
-        return rerotate(k, old_positions, new_positions, theta=self.config.rope_theta, neox=True)
-
     def attend(self, q_rot: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Softmax attention of queries ``[n, heads, d]`` over keys/values ``[m, kv_heads, d]`` where
         ``visible[n, m]`` is true; returns ``[n, heads * d]``. Every query must see at least one key."""
@@ -220,6 +216,24 @@ class ReferenceModel:
         scores = scores.masked_fill(~visible[None], float("-inf"))
         out = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), v)
         return out.reshape(q_rot.shape[0], -1)
+
+    def rerotate_keys(self, k: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
+        """``R(new) R(old)^-1 k`` for keys stored rotated at ``old_positions`` (FP32 formula)."""
+        return rerotate(k, old_positions, new_positions, theta=self.config.rope_theta, neox=True)
+
+    def attend_layer(
+        self,
+        layer: int,
+        q_rot: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        visible: torch.Tensor,
+        query_positions: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """``layer``'s attention for queries and keys at the given positions: every layer of these models
+        reads all of its visible keys (the gpt-oss reference narrows sliding layers and adds sinks)."""
+        return self.attend(q_rot, k_rot, v, visible)
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP block of ``layer``."""

@@ -11,6 +11,10 @@ so far. A token ``t`` appended at stage ``g``:
   to the position ``s`` holds at stage ``g``;
 - reads values ``V(s)`` as computed at append time (values are never rotated).
 
+On a sliding-window layer of width ``W`` (gpt-oss) the query at position ``p(t)`` reads only the
+visible keys whose position at stage ``g`` is greater than ``p(t) - W``; a model's ``attend_layer``
+applies that (and any per-head sink logits).
+
 ``Drop(at, tokens)`` hides ``tokens`` (all ``< at``) from every later query; positions do not change.
 ``Repos(at)`` gives the ``r`` tokens still visible positions ``0 .. r-1`` in token order; the next
 append continues at ``r``. Events at one ``at`` apply in the order given.
@@ -200,8 +204,9 @@ def run_oracle(
                 raw_k[layer][start:end] = inputs.k
                 values[layer][start:end] = inputs.v
                 keys = model.rotate(torch.cat((raw_k[layer][earlier], inputs.k)), key_positions)
-                attention = model.attend(model.rotate(inputs.q, query_positions), keys,
-                                         torch.cat((values[layer][earlier], inputs.v)), visible)
+                attention = model.attend_layer(layer, model.rotate(inputs.q, query_positions), keys,
+                                               torch.cat((values[layer][earlier], inputs.v)), visible,
+                                               query_positions, key_positions)
                 hidden = model.finish_layer(layer, hidden, attention)
             logits[start:end] = model.logits(hidden).to(torch.float32)
     return OracleResult(token_ids=ids, logits=logits, raw_k=tuple(raw_k), v=tuple(values), layout=layout)

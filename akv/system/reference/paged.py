@@ -18,6 +18,8 @@ def forward_paged(
     out_slots: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
+    *,
+    slot_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append ``token_ids[n]`` at ``positions[n]`` and return their logits ``[n, vocab]`` (float32).
 
@@ -25,7 +27,10 @@ def forward_paged(
     rotated. Per layer, each new token's K (rotated at its position) and V are written, in place, to
     ``out_slots[i]``, then query ``i`` attends to exactly the slots
     ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` (its own slot and earlier new tokens' slots included
-    for causal attention; dropped keys are simply not listed)."""
+    for causal attention; dropped keys are simply not listed).
+
+    ``slot_positions`` (int64 ``[slots]``, updated in place at ``out_slots``) holds the position each
+    slot's K is rotated at; models with sliding-window layers need it to know how far back a key is."""
     c = model.config
     ids = torch.as_tensor(token_ids, dtype=torch.int64)
     n = int(ids.numel())
@@ -42,8 +47,12 @@ def forward_paged(
     if out_slots.unique().numel() != n:
         raise ValueError(f"out_slots must be distinct, got {out_slots.tolist()}")
     rows = _check_csr(kv_indptr, kv_indices, n, n_slots)
+    if slot_positions is not None:
+        _check_vector("slot_positions", slot_positions, n_slots)
+        slot_positions[out_slots] = positions
 
     slots, columns = torch.unique(kv_indices, return_inverse=True)
+    key_positions = slot_positions[slots] if slot_positions is not None else torch.full_like(slots, -1)
     visible = torch.zeros(n, slots.numel(), dtype=torch.bool)
     visible[rows, columns] = True
     with torch.no_grad():
@@ -54,7 +63,8 @@ def forward_paged(
             v_pool[layer][out_slots] = inputs.v.to(v_pool[layer].dtype)
             keys = k_pool[layer][slots].to(model.dtype)
             values = v_pool[layer][slots].to(model.dtype)
-            attention = model.attend(model.rotate(inputs.q, positions), keys, values, visible)
+            attention = model.attend_layer(layer, model.rotate(inputs.q, positions), keys, values, visible,
+                                           positions, key_positions)
             hidden = model.finish_layer(layer, hidden, attention)
         return model.logits(hidden).to(torch.float32)
 

@@ -25,7 +25,7 @@ from akv.system.context.compiler import ProgramError, compile_program
 from akv.system.context.program import ContextProgram
 from akv.system.context.provenance import ChatTemplate, token_provenance
 from akv.system.reference.executor import PagedKV, run_prefill
-from akv.system.reference.model import ReferenceModel
+from akv.system.reference.loading import load_reference_model
 from akv.system.reference.paged import forward_paged
 from akv.system.reference_server.model_dir import ModelDir, load_model_dir
 from akv.system.reference_server.protocol import ChatRequest, RequestError
@@ -71,7 +71,7 @@ class Engine:
 
     def __init__(self, model_path: str | Path, *, name: str | None = None, kv_slots: int = DEFAULT_KV_SLOTS) -> None:
         self.files: ModelDir = load_model_dir(model_path)
-        self.model = ReferenceModel.from_pretrained(self.files.path, dtype=torch.float32)
+        self.model = load_reference_model(self.files.path, dtype=torch.float32)
         self.model_name = name or self.files.path.name
         self.max_context = self.files.max_context
         self.template = ChatTemplate(self.files.chat_template)
@@ -142,7 +142,7 @@ class Engine:
                 logits = forward_paged(
                     self.model, torch.tensor([ids[-1]]), torch.tensor([program.next_position + used - 1]),
                     self.kv.k, self.kv.v, torch.from_numpy(reserved[used - 1 : used]),
-                    torch.tensor([0, slots.numel()]), slots,
+                    torch.tensor([0, slots.numel()]), slots, slot_positions=self.kv.positions,
                 )[0]
             self.cache.finish(active, np.asarray(ids[:used], dtype=np.int64), reserved[:used])
         except BaseException:
