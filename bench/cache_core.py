@@ -3,7 +3,9 @@
 Measured in one run: building the tree turn by turn through the core (match + plan + allocate +
 publish); match and insert throughput on the full tree (insert = republishing a request's resident
 path, what every finished turn does); planning time per request for each conversation's next turn;
-admission time for one long (32k-token) agent context, cold and warm.
+admission time for one long (32k-token) agent context, cold and warm, and the engine path's
+``match`` (key, tree match, plan: what SGLang's scheduler thread pays per scheduling attempt until
+the tree changes) and ``commit`` (at lock time).
 
     python bench/cache_core.py --out bench/results/cache_core.json
 """
@@ -142,10 +144,15 @@ def main() -> None:
     long_next = long_conv.program(len(long_conv.messages) - 1)
     cold, cold_seconds = timed(core.admit, long_first)
     core.finish(cold)
-    warm_times = []
+    warm_times, match_times, commit_times = [], [], []
     for _ in range(5):
         request, seconds = timed(core.admit, long_next)
         warm_times.append(seconds)
+        core.abort(request)
+        draft, seconds = timed(core.match, long_next)
+        match_times.append(seconds)
+        request, seconds = timed(core.commit, draft)
+        commit_times.append(seconds)
         core.abort(request)
 
     result = {
@@ -165,7 +172,8 @@ def main() -> None:
                            "mean_computed_tokens": round(float(np.mean(computed_tokens)), 1),
                            "plan_occurrences": percentiles(plan_times), "admit": percentiles(admit_times)},
         "long_context": {"prompt_tokens": long_next.n_tokens, "events": len(long_next.events),
-                         "cold_admit_ms": round(cold_seconds * 1e3, 2), "warm_admit": percentiles(warm_times)},
+                         "cold_admit_ms": round(cold_seconds * 1e3, 2), "warm_admit": percentiles(warm_times),
+                         "warm_match_plan": percentiles(match_times), "warm_commit": percentiles(commit_times)},
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -74,7 +74,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     silently skips folders such as ``build``); fail the run naming any file left out."""
     config = session.config
     tests_dir = Path(__file__).resolve().parent
-    if [Path(a).resolve() for a in config.args] != [tests_dir] or config.getoption("-k") or config.getoption("-m"):
+    narrowed = any(config.getoption(name) for name in ("keyword", "markexpr", "ignore", "ignore_glob", "deselect"))
+    if [Path(a).resolve() for a in config.args] != [tests_dir] or narrowed:
         return
     on_disk = {p.resolve() for p in tests_dir.rglob("test_*.py")}
     collected = {Path(str(item.path)).resolve() for item in session.items}

@@ -41,8 +41,9 @@ class PriceTable:
 
 @dataclass(frozen=True)
 class CallRow:
-    """One request's counts. `prompt` = prefilled + cached + repos + skipped; `live` is the number
-    of KV entries the first generated token attends to; `pool_used` the KV slots the cache holds
+    """One request's counts. `prompt` = prefilled + cached + repos + the dropped tokens nothing
+    computed or read; `skipped` counts every dropped prompt token (DESIGN.md §2: also those this
+    request computed before its drop), so it overlaps `prefilled`; `live` is the number of KV entries the first generated token attends to; `pool_used` the KV slots the cache holds
     after the request (tree versions, re-rotated copies included)."""
 
     trajectory: str

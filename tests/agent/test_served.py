@@ -9,8 +9,7 @@ set:
 - `MODEL_DIR`: the local folder of the model it serves (tokenizer and chat template, for the
   token counter); required with `SGLANG_BASE_URL`;
 - `AKV_SERVER=1`: the server is the patched (AKV) SGLang, so requests with `drop_message` /
-  `reposition` are sent too. Its usage details are expected to fail (xfail, strict) until the
-  SGLang integration executes drops and repositions on the KV cache.
+  `reposition` are sent too and their usage details checked.
 
 The expected counts come from `ChatTemplateTokenCounter` spans and the definitions of DESIGN.md §2,
 never from the server under test."""
@@ -48,10 +47,6 @@ class Target:
     model: str
     model_dir: Path
     kind: str  # "reference", "akv-sglang" or "other"
-
-    @property
-    def executes_akv(self) -> bool:
-        return self.kind == "reference"
 
 
 def served_model(url: str) -> str:
@@ -147,9 +142,6 @@ def test_akv_fields_are_accepted(target, counter):
 def test_akv_usage_details_equal_their_definitions(target, counter, request):
     if target.kind == "other":
         pytest.skip("set AKV_SERVER=1 for a patched (AKV) server")
-    if not target.executes_akv:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="repos_tokens/drop_skipped_tokens are reported once "
-                                              "the SGLang integration executes drops and repositions on the KV cache"))
     # A system prompt no other test sends, so that only what this test computes is resident; then make
     # messages 0..6 resident: with the events at message 6, the AKV request can reuse exactly those.
     messages = [{"role": "system", "content": f"You are a careful agent ({request.node.name})."}] + MESSAGES[1:]

@@ -112,7 +112,8 @@ def test_counts_add_up_to_the_prompt_for_every_method():
     methods = [FullContext(), Summarize(30_000), Trim(5)] + [AKV(p) for p in policies]
     for method in methods:
         for r in simulate(t, method):
-            assert r.prompt == r.prefilled + r.cached + r.repos + r.skipped, (method.name, r)
+            unread = r.prompt - (r.prefilled + r.cached + r.repos)
+            assert 0 <= unread <= r.skipped, (method.name, r)
             assert r.live <= r.prompt
 
 
@@ -146,5 +147,7 @@ def test_akv_reads_instead_of_reprefilling():
     # the same text arrives; AKV never re-prefills it, it only reads less of it
     assert akv["prefilled"] == full["prefilled"]
     assert akv["skipped"] > 0 and akv["repos"] > 0
-    assert akv["cached"] + akv["repos"] + akv["skipped"] == full["cached"]
+    # what full context reads from the cache, AKV reads too or skips (skipped also counts dropped
+    # tokens a call computed itself before its drop, which full context computes too)
+    assert akv["cached"] + akv["repos"] <= full["cached"] <= akv["cached"] + akv["repos"] + akv["skipped"]
     assert akv["max_live"] < full["max_live"]

@@ -103,8 +103,6 @@ def test_scripted_demo_on_sglang_renders_the_same_prompts_as_the_reference_serve
     assert [u["prompt_tokens"] for u in gpu] == [u["prompt_tokens"] for u in cpu]
 
 
-@pytest.mark.xfail(strict=True, reason="the patched server accepts drop_message/reposition but executes them on "
-                                       "the KV cache only once the SGLang integration lands")
 def test_scripted_demo_on_sglang_reports_the_reference_usage(runs) -> None:
     gpu, cpu = runs
     assert any(u["prompt_tokens_details"]["drop_skipped_tokens"] > 0 for u in gpu)

@@ -17,7 +17,7 @@
 #
 # Knobs: AKV_BENCH / AKV_BENCH_LIVE  space-separated scripts, each run as `python SCRIPT` with
 #          SGLANG_BASE_URL (live only), AKV_TINY_MODEL, AKV_MODEL_8B, AKV_BENCH_OUT exported
-#        PYTEST_ARGS (default "-m gpu tests/"), PYTEST_TIMEOUT_S (default 240), SKIP_PYTEST=1,
+#        PYTEST_ARGS (default "-m gpu tests/"), PYTEST_TIMEOUT_S (default 240), SKIP_PYTEST=1, SKIP_SERVER=1,
 #          PYTEST_TEST_TIMEOUT_S (per test, default 120), PYTEST_LIVE_ARGS (pytest arguments run while
 #          the server is up, with SGLANG_BASE_URL, MODEL_DIR and AKV_SERVER=1 set)
 #        SERVER_ARGS (default "--disable-cuda-graph --sampling-backend pytorch")
@@ -186,7 +186,9 @@ start_server() {
   echo "server not ready after ${wait_s}s"; tail -n 40 "$OUT/server.log"; return 1
 }
 
-if [ "$(left)" -lt 120 ]; then
+if [ "${SKIP_SERVER:-0}" = 1 ]; then
+  step "server: skipped (SKIP_SERVER=1)"; STATUS[server_ready]=skipped
+elif [ "$(left)" -lt 120 ]; then
   step "server: skipped, only $(left)s left"; STATUS[server_ready]=skipped_deadline
 elif timed server_ready start_server; then
   timed smoke python3 tools/gpu/smoke_client.py --base "http://127.0.0.1:$PORT" --json "$WORK/smoke.json"

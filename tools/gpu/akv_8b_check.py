@@ -1,0 +1,244 @@
+"""On the H200, a Qwen3-8B-shaped model with dummy weights (bf16, triton backend): the patched
+server (``python -m akv.system.launch_server``) and stock SGLang 0.5.16 side by side in one run.
+
+1. plain requests are token-identical on the patched and the stock server;
+2. a 10-turn tool conversation with drops (akv.agent's ResultSelection) and repositions is served,
+   each turn reporting cached / re-rotated / skipped tokens;
+3. an exactly equivalent case: dropping the final two messages at their own anchor and
+   repositioning there equals the plain prompt without them (same tokens, log-probs compared with
+   the same plain prompt served again, the noise of a cached prefix);
+4. next-turn TTFT of a 32k-token agent conversation after half its tool results are dropped and one
+   new tool result arrives: AKV vs (a) the live text re-prefilled on stock vs (b) the floor, stock
+   prefilling only the new tokens over a resident prefix of the live length.
+
+Run by ``tools/gpu/run.sh`` as an ``AKV_BENCH`` script (the model from ``$AKV_MODEL_8B``, results to
+``$AKV_BENCH_OUT/akv_8b_check.json``); stock SGLang is the carried site archive unpacked without the
+AKV overlay (``--stock-site``, made on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from akv.agent import CachePolicy, CacheOperationHistory, ResultSelection, TurnReposition, TurnTrigger
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
+                                          "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
+                                                         "required": ["id"]}}}]
+COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--host", "127.0.0.1", "--chunked-prefill-size", "8192",
+          "--max-total-tokens", "150000", "--mem-fraction-static", "0.42", "--cuda-graph-max-bs", "8",
+          "--enable-cache-report", "--sampling-backend", "pytorch", "--context-length", "40960"]
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        self.process = subprocess.Popen(argv + ["--port", str(port)], env=env, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}")
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} server not ready in {timeout} s")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+        except Exception:  # noqa: BLE001 - best effort at the end of a run
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.log.close()
+
+    def chat(self, body: dict[str, Any], max_tokens: int = 8) -> dict[str, Any]:
+        full = {"model": "default", "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
+                "top_logprobs": 1, "tools": TOOLS, **body}
+        request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(full).encode(),
+                                         headers={"Content-Type": "application/json"})
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            reply = json.loads(response.read())
+        reply["seconds"] = time.perf_counter() - started
+        return reply
+
+    def flush(self) -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{self.url}/flush_cache", method="POST"), timeout=60)
+
+
+def tokens(reply: dict[str, Any]) -> list[str]:
+    return [t["token"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+def logprobs(reply: dict[str, Any]) -> list[float]:
+    return [t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+class Conversation:
+    """A record-chain agent conversation whose tool results have about ``result_tokens`` tokens."""
+
+    def __init__(self, tokenizer: Any, seed: int, result_tokens: int) -> None:
+        self.tokenizer, self.seed, self.result_tokens = tokenizer, seed, result_tokens
+        self.messages: list[dict[str, Any]] = [
+            {"role": "system", "content": f"Run {seed}: follow chains of records with read_record."},
+            {"role": "user", "content": f"Start at record {seed}-0 and follow the chain to its end."}]
+
+    def _text(self, i: int, n_tokens: int) -> str:
+        words, text = [], ""
+        while len(self.tokenizer(text).input_ids) < n_tokens:
+            words.extend(f"r{self.seed}x{i}w{j} v{(j * 7919 + i) % 1000}" for j in range(len(words), len(words) + 50))
+            text = " ".join(words)
+        return text
+
+    def step(self, n_tokens: int | None = None) -> None:
+        i = len(self.messages) // 2
+        call_id = f"call_{self.seed}_{i}"
+        self.messages.append({"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function",
+                              "function": {"name": "read_record", "arguments": json.dumps({"id": f"{self.seed}-{i}"})}}]})
+        self.messages.append({"role": "tool", "tool_call_id": call_id,
+                              "content": self._text(i, n_tokens or self.result_tokens)})
+
+
+def check_plain_identity(patched: Server, stock: Server, tokenizer: Any) -> dict[str, Any]:
+    rows = []
+    for seed, turns in ((101, 1), (102, 4), (103, 8)):
+        conv = Conversation(tokenizer, seed, 300)
+        for _ in range(turns):
+            conv.step()
+        a, b = patched.chat({"messages": conv.messages}, 16), stock.chat({"messages": conv.messages}, 16)
+        rows.append({"prompt_tokens": a["usage"]["prompt_tokens"], "identical": tokens(a) == tokens(b),
+                     "max_logprob_diff": max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b)))})
+    return {"rows": rows, "ok": all(r["identical"] for r in rows)}
+
+
+def check_ten_turns(patched: Server, tokenizer: Any) -> dict[str, Any]:
+    policy = CachePolicy(trigger=TurnTrigger(), selector=ResultSelection(3), reposition=TurnReposition(after=3, every=3))
+    conv, history, rows = Conversation(tokenizer, 201, 400), None, []
+    for _ in range(10):
+        conv.step()
+        payload, history = policy.process({"model": "default", "messages": list(conv.messages), "tools": TOOLS},
+                                          history)
+        history = CacheOperationHistory.from_json(history.to_json())
+        reply = patched.chat({k: v for k, v in payload.items() if k != "tools"})
+        rows.append({"prompt_tokens": reply["usage"]["prompt_tokens"], "details": reply["usage"]["prompt_tokens_details"],
+                     "seconds": round(reply["seconds"], 3), "drops": payload.get("drop_message"),
+                     "reposition": payload.get("reposition")})
+    details = [r["details"] or {} for r in rows]
+    ok = (all(set(d) >= {"cached_tokens", "repos_tokens", "drop_skipped_tokens"} for d in details[2:])
+          and any(d.get("repos_tokens", 0) > 0 for d in details) and any(d.get("drop_skipped_tokens", 0) > 0 for d in details))
+    return {"rows": rows, "ok": ok}
+
+
+def check_equivalence(patched: Server, tokenizer: Any) -> dict[str, Any]:
+    conv = Conversation(tokenizer, 301, 500)
+    for _ in range(3):
+        conv.step()
+    plain = conv.messages + [{"role": "user", "content": "Continue with the next record."}]
+    conv.messages = list(plain)
+    conv.step()
+    last = len(conv.messages) - 1
+    cold, warm = patched.chat({"messages": plain}), patched.chat({"messages": plain})
+    dropped = patched.chat({"messages": conv.messages, "drop_message": {str(last): [last - 1, last]},
+                            "reposition": [last]})
+    noise = max(abs(x - y) for x, y in zip(logprobs(cold), logprobs(warm)))
+    diff = max(abs(x - y) for x, y in zip(logprobs(warm), logprobs(dropped)))
+    return {"plain_prompt_tokens": warm["usage"]["prompt_tokens"], "dropped_usage": dropped["usage"],
+            "tokens_equal": tokens(warm) == tokens(dropped), "logprob_diff_vs_warm_plain": diff,
+            "noise_cold_vs_warm_plain": noise, "ok": tokens(warm) == tokens(dropped) and diff <= max(2 * noise, 1e-3)}
+
+
+def ttft_trial(patched: Server, stock: Server, tokenizer: Any, seed: int) -> dict[str, float]:
+    conv = Conversation(tokenizer, seed, 800)
+    for _ in range(38):
+        conv.step()
+    turn = list(conv.messages)
+    results = [i for i, m in enumerate(turn) if m["role"] == "tool"]
+    dropped = results[: len(results) // 2]
+    conv.step()
+    nxt = list(conv.messages)
+    anchor = len(nxt) - 1
+    patched.chat({"messages": turn}, 1)
+    akv = patched.chat({"messages": nxt, "drop_message": {str(anchor): dropped}, "reposition": [anchor]}, 1)
+    live = [m for i, m in enumerate(nxt) if i not in dropped]
+    trimmed = stock.chat({"messages": live}, 1)
+    stock.chat({"messages": live[:-2]}, 1)
+    floor = stock.chat({"messages": live}, 1)
+    return {"prompt_tokens_full": akv["usage"]["prompt_tokens"], "live_prompt_tokens": trimmed["usage"]["prompt_tokens"],
+            "akv_s": akv["seconds"], "trimmed_text_s": trimmed["seconds"], "floor_s": floor["seconds"],
+            "akv_usage": akv["usage"]["prompt_tokens_details"], "floor_cached": floor["usage"]["prompt_tokens_details"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"))
+    parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "akv_8b_check.json")
+    parser.add_argument("--trials", type=int, default=3)
+    args = parser.parse_args()
+    if not (args.stock_site / "sglang").is_dir():
+        args.stock_site.mkdir(parents=True, exist_ok=True)
+        subprocess.run(f"xz -T0 -dc {ROOT / '.devkit' / 'site-py312.tar.xz'} | tar -x -C {args.stock_site}",
+                       shell=True, check=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    patched_env = {**base_env, "PYTHONPATH": os.environ["PYTHONPATH"]}
+    stock_env = {**base_env, "PYTHONPATH": str(args.stock_site)}
+    logs = args.out.parent
+    patched = Server("patched", [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(args.model),
+                                 *COMMON], patched_env, 30010, logs / "server-8b-patched.log")
+    stock = Server("stock", [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), *COMMON],
+                   stock_env, 30011, logs / "server-8b-stock.log")
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON}
+    started = time.time()
+    try:
+        patched.wait(420)
+        stock.wait(420)
+        report["startup_s"] = round(time.time() - started, 1)
+        for name, check in (("plain_identity", lambda: check_plain_identity(patched, stock, tokenizer)),
+                            ("ten_turns", lambda: check_ten_turns(patched, tokenizer)),
+                            ("equivalence", lambda: check_equivalence(patched, tokenizer))):
+            try:
+                report[name] = check()
+            except Exception as exc:  # noqa: BLE001 - record and go on to the next check
+                report[name] = {"ok": False, "error": repr(exc)}
+            print(name, json.dumps(report[name])[:600], flush=True)
+        trials = []
+        for seed in range(args.trials):
+            patched.flush()
+            stock.flush()
+            trials.append(ttft_trial(patched, stock, tokenizer, 400 + seed))
+            print("ttft", json.dumps(trials[-1]), flush=True)
+        med = {k: statistics.median(t[k] for t in trials) for k in ("akv_s", "trimmed_text_s", "floor_s")}
+        report["ttft"] = {"trials": trials, "median_s": med, "akv_vs_floor": med["akv_s"] / med["floor_s"],
+                          "trimmed_vs_akv": med["trimmed_text_s"] / med["akv_s"], "goal_akv_vs_floor": 1.5}
+    finally:
+        patched.stop()
+        stock.stop()
+        report["total_s"] = round(time.time() - started, 1)
+        args.out.write_text(json.dumps(report, indent=2))
+    ok = all(report.get(k, {}).get("ok") for k in ("plain_identity", "ten_turns", "equivalence"))
+    print(json.dumps({k: report[k].get("ok") for k in ("plain_identity", "ten_turns", "equivalence") if k in report}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
