@@ -104,7 +104,12 @@ def test_scripted_demo_on_sglang_renders_the_same_prompts_as_the_reference_serve
 
 
 def test_scripted_demo_on_sglang_reports_the_reference_usage(runs) -> None:
+    """Steps with drop_message/reposition report the same three counters as the reference server
+    (plain steps report SGLang's own cache details, which the server prints only with
+    --enable-cache-report)."""
     gpu, cpu = runs
-    assert any(u["prompt_tokens_details"]["drop_skipped_tokens"] > 0 for u in gpu)
-    assert any(u["prompt_tokens_details"]["repos_tokens"] > 0 for u in gpu)
-    assert [u["prompt_tokens_details"] for u in gpu] == [u["prompt_tokens_details"] for u in cpu]
+    context = [i for i, u in enumerate(gpu) if "drop_skipped_tokens" in (u.get("prompt_tokens_details") or {})]
+    assert context, "no step of the demo reported AKV usage"
+    assert any(gpu[i]["prompt_tokens_details"]["drop_skipped_tokens"] > 0 for i in context)
+    assert any(gpu[i]["prompt_tokens_details"]["repos_tokens"] > 0 for i in context)
+    assert [gpu[i]["prompt_tokens_details"] for i in context] == [cpu[i]["prompt_tokens_details"] for i in context]

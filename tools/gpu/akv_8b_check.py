@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
                                           "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
                                                          "required": ["id"]}}}]
-COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--host", "127.0.0.1", "--chunked-prefill-size", "8192",
+COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--host", "127.0.0.1", "--attention-backend", "triton",
+          "--page-size", "1", "--chunked-prefill-size", "8192",
           "--max-total-tokens", "150000", "--mem-fraction-static", "0.42", "--cuda-graph-max-bs", "8",
           "--enable-cache-report", "--sampling-backend", "pytorch", "--context-length", "40960"]
 
@@ -63,11 +64,13 @@ class Server:
         raise TimeoutError(f"{self.name} server not ready in {timeout} s")
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
-        except Exception:  # noqa: BLE001 - best effort at the end of a run
-            os.killpg(self.process.pid, signal.SIGKILL)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(timeout=30)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
         self.log.close()
 
     def chat(self, body: dict[str, Any], max_tokens: int = 8) -> dict[str, Any]:
