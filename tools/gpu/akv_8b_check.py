@@ -168,7 +168,7 @@ def check_equivalence(patched: Server, tokenizer: Any) -> dict[str, Any]:
 
 def ttft_trial(patched: Server, stock: Server, tokenizer: Any, seed: int) -> dict[str, float]:
     conv = Conversation(tokenizer, seed, 800)
-    for _ in range(38):
+    for _ in range(29):
         conv.step()
     turn = list(conv.messages)
     results = [i for i, m in enumerate(turn) if m["role"] == "tool"]
