@@ -142,9 +142,9 @@ def check_ten_turns(patched: Server, tokenizer: Any) -> dict[str, Any]:
         rows.append({"prompt_tokens": reply["usage"]["prompt_tokens"], "details": reply["usage"]["prompt_tokens_details"],
                      "seconds": round(reply["seconds"], 3), "drops": payload.get("drop_message"),
                      "reposition": payload.get("reposition")})
-    details = [r["details"] or {} for r in rows]
-    ok = (all(set(d) >= {"cached_tokens", "repos_tokens", "drop_skipped_tokens"} for d in details[2:])
-          and any(d.get("repos_tokens", 0) > 0 for d in details) and any(d.get("drop_skipped_tokens", 0) > 0 for d in details))
+    context = [r["details"] or {} for r in rows if r["drops"] or r["reposition"]]
+    ok = (bool(context) and all(set(d) >= {"cached_tokens", "repos_tokens", "drop_skipped_tokens"} for d in context)
+          and any(d["repos_tokens"] > 0 for d in context) and any(d["drop_skipped_tokens"] > 0 for d in context))
     return {"rows": rows, "ok": ok}
 
 
