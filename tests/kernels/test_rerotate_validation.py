@@ -12,6 +12,7 @@ import torch
 
 from akv.system.kernels.layer_buffers import LayerBuffers
 from akv.system.kernels.rerotate import RerotateLaunch, rerotate_kv
+from akv.system.kernels.rerotate_reference import rerotate_kv_reference
 from akv.system.kernels.rope_spec import RopeSpec, RopeTable
 
 pytestmark = pytest.mark.skipif(
@@ -50,7 +51,17 @@ def test_bad_copy_lists(src, dst, old, new, message):
 
 
 def test_one_source_may_feed_several_destinations():
-    call([1, 1], [4, 5], [3, 3], [0, 9])
+    """Accepted, and each destination gets the source re-rotated to its own position (against the
+    PyTorch reference), the source left as it was."""
+    torch.manual_seed(0)
+    layers = [[torch.randn(10, 2, 8) for _ in range(2)] for _ in range(2)]
+    expected = [[t.clone() for t in kind] for kind in layers]
+    src, dst, old, new = (torch.tensor(x) for x in ([1, 1], [4, 5], [3, 3], [0, 9]))
+    rerotate_kv(LayerBuffers.of(layers[0]), LayerBuffers.of(layers[1]), src, dst, old, new, RopeTable.build(SPEC, 100))
+    rerotate_kv_reference(LayerBuffers.of(expected[0]), LayerBuffers.of(expected[1]), src, dst, old, new, SPEC)
+    for got, want in zip(layers[0] + layers[1], expected[0] + expected[1]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.equal(layers[0][0][4], layers[0][0][5]), "the two destinations hold different rotations"
 
 
 def test_rewriting_a_slot_in_place_while_another_copy_reads_it_is_refused():

@@ -1,0 +1,96 @@
+"""The scheduler-side hooks (``akv.system.adapter.scheduling``) on stand-in requests: which context
+requests are refused up front with a 400 message naming the field, and how rounds stop at segment
+ends. (SGLang's real scheduler drives the same hooks in tests/sglang_cpu.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from akv.system.adapter.context_request import AkvRequest
+from akv.system.adapter.scheduling import attach, cap_extend, cold_slots, must_wait
+from akv.system.cache.core import CacheCore
+from akv.system.cache.pool import SlotPool
+from akv.system.context.compiler import compile_program
+from akv.system.context.rules import parse_rules
+from akv.system.context.wire import encode_program
+
+SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64)
+
+
+def program(lengths: list[int], drop: dict | None = None, repos: list[int] | None = None):
+    ids = np.arange(sum(lengths), dtype=np.int64) % 97
+    owners = np.repeat(np.arange(len(lengths)), lengths)
+    n = len(lengths) - 1
+    return compile_program(ids, owners, parse_rules(drop, repos, n), n)
+
+
+def request(prog) -> tuple[SimpleNamespace, SimpleNamespace]:
+    req = SimpleNamespace(origin_input_ids=prog.token_ids.tolist(), extra_key=None, akv=None)
+    return req, SimpleNamespace(context_program=encode_program(prog))
+
+
+def test_a_servable_program_is_attached() -> None:
+    prog = program([5, 6, 7, 2], {"2": [1]}, [2])
+    req, recv = request(prog)
+    assert attach(req, recv, SERVER, pool_size=1000) is None
+    assert isinstance(req.akv, AkvRequest) and req.akv.program.n_tokens == prog.n_tokens
+
+
+def test_a_plain_request_is_left_alone() -> None:
+    req = SimpleNamespace(akv=None)
+    assert attach(req, SimpleNamespace(context_program=None), SERVER, pool_size=10) is None and req.akv is None
+
+
+@pytest.mark.parametrize(
+    ("server", "mangle", "message"),
+    [
+        (SimpleNamespace(radix_cache_backend=None, chunked_prefill_size=64), None,
+         "server configuration: radix_cache_backend None cannot execute"),
+        (SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=-1), None, "need chunked prefill"),
+        (SERVER, lambda b: b[:-1] + bytes([b[-1] ^ 1]), "context_program: digest"),
+        (SERVER, "tokens", "context_program: its tokens differ"),
+    ],
+)
+def test_unservable_requests_are_refused(server, mangle, message) -> None:
+    req, recv = request(program([5, 6, 2], {"1": [0]}))
+    if mangle == "tokens":
+        req.origin_input_ids = req.origin_input_ids[::-1]
+    elif mangle is not None:
+        recv.context_program = mangle(recv.context_program)
+    error = attach(req, recv, server, pool_size=1000)
+    assert error is not None and message in error and req.akv is None
+
+
+def test_kv_that_can_never_fit_is_refused_with_the_exact_cold_need() -> None:
+    """A reposition after a drop re-rotates what follows the gap: births plus copies can exceed the
+    pool although the prompt alone fits. The limit is the cold plan's own count."""
+    prog = program([30, 30, 30, 2], {"2": [0]}, [2])
+    need = cold_slots(prog)
+    cold = CacheCore(SlotPool(1000)).admit(prog)
+    assert need == cold.plan.fresh.size and need > prog.n_tokens
+    req, recv = request(prog)
+    error = attach(req, recv, SERVER, pool_size=need - 1)
+    assert error == f"messages: the prompt needs {need} KV slots with its re-rotated copies, more than the {need - 1} this server holds"
+    req, recv = request(prog)
+    assert attach(req, recv, SERVER, pool_size=need) is None
+
+
+def test_rounds_stop_at_segment_ends_and_serialize_on_the_chunked_slot() -> None:
+    prog = program([4, 4, 4, 2], {"2": [0]}, [2])
+    req, recv = request(prog)
+    attach(req, recv, SERVER, pool_size=1000)
+    state = req.akv
+    core = CacheCore(SlotPool(1000))
+    state.plan_draft(core)
+    segments = state.plan_draft_segments()
+    assert len(segments) == 2 and state.needs_rounds()
+    req.full_untruncated_fill_ids = list(prog.token_ids)
+    req.set_extend_range = lambda lo, hi: setattr(req, "extend_range", SimpleNamespace(start=lo, end=hi))
+    req.set_extend_range(0, prog.n_tokens)
+    assert cap_extend(req) and req.extend_range.end == segments[0].end
+    assert must_wait(req, has_chunked_req=True, new_chunked_req=None)
+    assert must_wait(SimpleNamespace(akv=None), has_chunked_req=False, new_chunked_req=req)
+    assert not must_wait(SimpleNamespace(akv=None), has_chunked_req=True, new_chunked_req=None)
