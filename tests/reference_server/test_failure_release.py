@@ -214,15 +214,17 @@ CONTEXT_STEPS = [  # each request's KV stays in the tree, so the tokens of messa
 ]
 
 
-def test_a_prefix_too_big_to_lock_falls_back_to_a_cold_start(tiny_model_dir: Path) -> None:
-    """The last step matches messages 0..5 with every version the earlier steps left, and all of them
-    stay locked during admission; in a pool just big enough for its cold start that cannot fit. It
-    is served cold instead of failing."""
+def test_a_pool_just_big_enough_for_a_cold_start_serves_the_warm_request(tiny_model_dir: Path) -> None:
+    """The last step matches messages 0..5 with every version the earlier steps left. Admission locks
+    only the versions its plan reads, so in a pool just big enough for its cold start it evicts the
+    rest (stale re-rotated copies among them) and is served with the matched prefix reused, instead
+    of failing (the engine's cold fallback is not needed)."""
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=8192)
     payloads = [{"model": MODEL, "max_tokens": 2, **step} for step in CONTEXT_STEPS]
     last = engine.prepare(parse_chat_request(payloads[-1], MODEL, engine.content_format)).program
     empty = MatchResult(0, 0, np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64))
-    cold_slots = plan_occurrences(last, empty).n_fresh + 1  # the prompt's slots, and one generated token's
+    cold = plan_occurrences(last, empty)
+    cold_slots = cold.n_births + cold.n_copy_slots + 1  # the prompt's slots, and one generated token's
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=cold_slots)
     server = ReferenceServer(engine)
     server.start_in_background()
@@ -232,5 +234,5 @@ def test_a_prefix_too_big_to_lock_falls_back_to_a_cold_start(tiny_model_dir: Pat
         server.shutdown()
         server.server_close()
     assert [status for status, _ in replies] == [200, 200, 200], replies[-1][1]
-    assert json.loads(replies[-1][1])["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert json.loads(replies[-1][1])["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert nothing_held_outside_the_tree(engine)
