@@ -132,6 +132,14 @@ def retraction_waves() -> list[list[Request]]:
              Conversation(12).add(7, 7, 7).request("retract-plain", plain=True, max_new=12)]]
 
 
+def pressure_waves() -> list[list[Request]]:
+    """Three requests of which any two overflow a 140-slot pool (one re-rotates 40 tokens): all
+    three are sent at once, so admission must make the others wait and evict what finished."""
+    return [[Conversation(20).add(20, 20, 20).drop(1).reposition().request("press-a", max_new=10),
+             Conversation(21).add(20, 20, 20).drop(0).reposition().request("press-b", max_new=10),
+             Conversation(22).add(20, 20, 20).request("press-plain", plain=True, max_new=10)]]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)

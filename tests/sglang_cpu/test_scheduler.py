@@ -156,6 +156,17 @@ def test_forced_misses_recover_everything(patched_site: Path, tiny_qwen3: Path, 
     assert_pool_back(report)
 
 
+def test_requests_that_cannot_fit_now_wait_and_are_exact(patched_site: Path, tiny_qwen3: Path,
+                                                        oracle_model: ReferenceModel) -> None:
+    """A pool too small for the three requests at once: each waits for room (copy slots counted in
+    admission, finished KV evicted) instead of failing or stalling, and each is exact."""
+    waves = scenarios.pressure_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=16, max_total_tokens=140)
+    for request in waves[0]:
+        assert_exact(oracle_model, request, report["results"][request.rid])
+    assert_pool_back(report)
+
+
 def test_aborts_release_everything_and_the_next_requests_are_exact(
         patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     waves = scenarios.abort_waves()

@@ -32,6 +32,7 @@ class AkvRequest:
         self._cold = False
         self.active: ActiveRequest | None = None
         self.first_usage: Usage | None = None
+        self.pinned: np.ndarray | None = None
         self.locks = 0
         self.segment = 0
         self.terminal_written = False
@@ -39,8 +40,10 @@ class AkvRequest:
     # ---- planning -------------------------------------------------------------------------------
 
     def plan_draft(self, core: CacheCore, *, cold: bool = False) -> Draft:
-        """The draft against the tree as it is now (recomputed only when the tree changed);
-        ``cold`` plans every token as recomputed (SGLang's forced-miss test mode)."""
+        """The draft against the tree as it is now (recomputed only when the tree changed, unless
+        locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode)."""
+        if self.pinned is not None and self.draft is not None:
+            return self.draft
         if self.draft is None or self.draft.epoch != core.epoch or cold != self._cold:
             self.draft = core.match(self.program, self.namespace, cold=cold)
             self._cold = cold
@@ -64,12 +67,29 @@ class AkvRequest:
         """Slots beyond SGLang's own extend count that admission must reserve: the copy slots."""
         return 0 if self.draft is None else self.draft.n_copy_slots
 
+    def lock(self, core: CacheCore) -> None:
+        """SGLang's lock: hold the versions the draft borrows, so admission counts them as taken
+        and nothing evicts them before :meth:`commit` (which allocates the copy slots)."""
+        if self.active is None and self.pinned is None:
+            draft = self.plan_draft(core, cold=self._cold)
+            self.pinned = draft.plan.plan.borrowed
+            core.pool.incref(self.pinned)
+
+    def unlock(self, core: CacheCore) -> None:
+        if self.pinned is not None:
+            core.pool.decref(self.pinned)
+            self.pinned = None
+
     def commit(self, core: CacheCore) -> None:
-        """Lock the borrowed versions and allocate the copy slots (once)."""
+        """Take the borrowed versions for the request and allocate its copy slots (once), right
+        before SGLang allocates the first round's births."""
         if self.active is not None:
             return
-        draft = self.plan_draft(core, cold=self._cold)
-        self.active = core.commit(draft)
+        held = self.pinned is not None
+        draft = self.draft if held else self.plan_draft(core, cold=self._cold)
+        assert draft is not None
+        self.active = core.commit(draft, held=held)
+        self.unlock(core)
         self.segment = 0
         self.terminal_written = False
         if self.first_usage is None:
@@ -77,7 +97,9 @@ class AkvRequest:
 
     def release(self, core: CacheCore, generated_ids: np.ndarray | None = None,
                 generated_slots: np.ndarray | None = None, *, publish: bool) -> None:
-        """Finish (publish) or abort the committed request; the caller owns ``generated_slots``."""
+        """Finish (publish) or abort the committed request (or drop its lock); the caller owns
+        ``generated_slots``."""
+        self.unlock(core)
         active, self.active, self.draft, self.locks = self.active, None, None, 0
         if active is None:
             return

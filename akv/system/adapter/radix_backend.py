@@ -117,7 +117,7 @@ class AkvRadixCache(BasePrefixCache):
         if isinstance(node, AkvRequest):
             node.locks += 1
             if node.locks == 1:
-                node.commit(self.core)
+                node.lock(self.core)
         elif isinstance(node, PlainLock):
             node.locks += 1
             if node.locks == 1:

@@ -95,10 +95,12 @@ class CacheCore:
         match = self.tree.match(key) if not cold else self.tree.match(key.prefix(0))
         return Draft(program, key, match, plan_occurrences(program, match), self.tree.epoch)
 
-    def commit(self, draft: Draft) -> ActiveRequest:
+    def commit(self, draft: Draft, *, held: bool = False) -> ActiveRequest:
         """Reference the draft's borrowed versions and allocate its copy slots (evicting as needed).
-        Atomic: on :class:`CacheFull` nothing is held."""
-        if draft.epoch != self.tree.epoch:
+        Atomic: on :class:`CacheFull` nothing is held. ``held``: the caller has held references on
+        the borrowed versions since the draft was planned (an engine's lock), so the plan stands
+        whatever else the tree did meanwhile."""
+        if not held and draft.epoch != self.tree.epoch:
             raise RequestStateError(f"draft: planned at tree epoch {draft.epoch}, the tree is at {self.tree.epoch}")
         borrowed = draft.plan.plan.borrowed
         self.pool.incref(borrowed)
