@@ -13,14 +13,13 @@ SGLang's window; after a reposition it is the last ``sliding_window`` visible ke
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from akv.system.reference.model import AttentionInputs, ConfigError
+from akv.system.reference.model import AttentionInputs, ConfigError, read_model_dir
 from akv.system.reference.rope import inv_frequencies
 from akv.system.reference.yarn import Yarn, rerotate, rotate
 
@@ -140,17 +139,8 @@ class GptOssReferenceModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> GptOssReferenceModel:
         """Load config.json and every ``*.safetensors`` file of an HF gpt-oss directory."""
-        from safetensors.torch import load_file
-
-        root = Path(path)
-        config = GptOssConfig.from_dict(json.loads((root / "config.json").read_text(encoding="utf-8")))
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"no *.safetensors files in {str(root)!r}")
-        weights: dict[str, torch.Tensor] = {}
-        for file in files:
-            weights.update(load_file(str(file)))
-        return cls(config, weights, dtype)
+        raw, weights = read_model_dir(path)
+        return cls(GptOssConfig.from_dict(raw), weights, dtype)
 
     def _expected_names(self) -> list[str]:
         c = self.config

@@ -4,7 +4,6 @@ routing bias that only chooses experts (weights are the unbiased scores, renorma
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 
 from akv.system.models.minimax_m2 import ARCHITECTURE, UnsupportedMiniMaxError, check_supported
-from akv.system.reference.model import AttentionInputs, ConfigError, ModelConfig, ReferenceModel
+from akv.system.reference.model import AttentionInputs, ConfigError, ModelConfig, ReferenceModel, read_model_dir
 from akv.system.reference.rope import rerotate, rotate
 
 
@@ -110,17 +109,8 @@ class MiniMaxM2Model(ReferenceModel):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> MiniMaxM2Model:
         """Load config.json and every ``*.safetensors`` file of a MiniMax-M2 model directory."""
-        from safetensors.torch import load_file
-
-        root = Path(path)
-        config = MiniMaxM2Config.from_dict(json.loads((root / "config.json").read_text(encoding="utf-8")))
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"no *.safetensors files in {str(root)!r}")
-        weights: dict[str, torch.Tensor] = {}
-        for file in files:
-            weights.update(load_file(str(file)))
-        return cls(config, weights, dtype)
+        raw, weights = read_model_dir(path)
+        return cls(MiniMaxM2Config.from_dict(raw), weights, dtype)
 
     def _expected_names(self) -> list[str]:
         c = self.config

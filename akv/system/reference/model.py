@@ -125,6 +125,21 @@ class AttentionInputs:
     v: torch.Tensor  # [tokens, kv_heads, head_dim]
 
 
+def read_model_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``config.json`` and every tensor of the ``*.safetensors`` files of an HF model directory."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in {str(root)!r}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return config, weights
+
+
 class ReferenceModel:
     """Weights plus the per-layer pieces of the forward pass, all computed in ``dtype``."""
 
@@ -141,17 +156,8 @@ class ReferenceModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
         """Load config.json and every ``*.safetensors`` file of an HF model directory."""
-        from safetensors.torch import load_file
-
-        root = Path(path)
-        config = ModelConfig.from_dict(json.loads((root / "config.json").read_text(encoding="utf-8")))
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"no *.safetensors files in {str(root)!r}")
-        weights: dict[str, torch.Tensor] = {}
-        for file in files:
-            weights.update(load_file(str(file)))
-        return cls(config, weights, dtype)
+        raw, weights = read_model_dir(path)
+        return cls(ModelConfig.from_dict(raw), weights, dtype)
 
     def _expected_names(self) -> list[str]:
         c = self.config
