@@ -17,8 +17,8 @@ import pytest
 
 import akv.system.reference_server.engine as engine_module
 import akv.system.reference_server.server as server_module
-from akv.system.cache import ActiveRequest, MatchResult
-from akv.system.cache.occurrence import plan_occurrences
+from akv.system.cache import ActiveRequest
+from akv.system.cache.occurrence import cold_plan
 from akv.system.reference_server import Engine, ReferenceServer, parse_chat_request
 from akv.system.reference_server.sampling import Sampler
 from akv.system.reference_server.text import TextTracker
@@ -222,9 +222,7 @@ def test_a_pool_just_big_enough_for_a_cold_start_serves_the_warm_request(tiny_mo
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=8192)
     payloads = [{"model": MODEL, "max_tokens": 2, **step} for step in CONTEXT_STEPS]
     last = engine.prepare(parse_chat_request(payloads[-1], MODEL, engine.content_format)).program
-    empty = MatchResult(0, 0, np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64))
-    cold = plan_occurrences(last, empty)
-    cold_slots = cold.n_births + cold.n_copy_slots + 1  # the prompt's slots, and one generated token's
+    cold_slots = cold_plan(last).n_slots + 1  # the prompt's slots, and one generated token's
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=cold_slots)
     server = ReferenceServer(engine)
     server.start_in_background()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from akv.system.adapter.context_request import AkvRequest
-from akv.system.adapter.scheduling import attach, cap_extend, cold_slots, must_wait
+from akv.system.adapter.scheduling import attach, cap_extend, must_wait
+from akv.system.cache.occurrence import cold_plan
 from akv.system.cache.core import CacheCore
 from akv.system.cache.pool import SlotPool
 from akv.system.context.compiler import compile_program
@@ -68,7 +69,7 @@ def test_kv_that_can_never_fit_is_refused_with_the_exact_cold_need() -> None:
     """A reposition after a drop re-rotates what follows the gap: births plus copies can exceed the
     pool although the prompt alone fits. The limit is the cold plan's own count."""
     prog = program([30, 30, 30, 2], {"2": [0]}, [2])
-    need = cold_slots(prog)
+    need = cold_plan(prog).n_slots
     cold = CacheCore(SlotPool(1000)).admit(prog)
     assert need == cold.plan.fresh.size and need > prog.n_tokens
     req, recv = request(prog)

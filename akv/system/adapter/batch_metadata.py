@@ -91,7 +91,7 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
             rows.append(0)
             queries.append(0)
         else:
-            if lo == state.first_round_start():
+            if lo == state.first_start:
                 cache.visibility.write(req.req_pool_idx, state)
             state.bind(cache.core, lo, slots[offset : offset + ext])
             req.cached_tokens = state.first_usage.cached_tokens

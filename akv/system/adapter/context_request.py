@@ -115,9 +115,6 @@ class AkvRequest:
 
     # ---- rounds ---------------------------------------------------------------------------------
 
-    def first_round_start(self) -> int:
-        return self.plan_segments[0].start
-
     @property
     def plan_segments(self) -> tuple[Segment, ...]:
         assert self.active is not None

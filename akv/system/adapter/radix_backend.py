@@ -138,6 +138,9 @@ class AkvRadixCache(BasePrefixCache):
     # ---- publication ----------------------------------------------------------------------------
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        """Plain requests publish what they computed so far; a context request between rounds gets
+        the next round's prefix view (its terminal view is written before its first decode step,
+        :func:`akv.system.adapter.batch_metadata.for_decode`, together with the copies it needs)."""
         state = getattr(req, "akv", None)
         if state is None:
             self._cache_unfinished_plain(req)
@@ -145,11 +148,6 @@ class AkvRadixCache(BasePrefixCache):
             start = state.next_start(req.extend_range.end)
             req.prefix_indices = torch.from_numpy(state.prefix_view(start)).to(self.device)
             req.cache_protected_len = start
-        elif not state.terminal_written:
-            tokens, slots, _ = state.terminal()
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            row[torch.from_numpy(tokens).to(row.device)] = torch.from_numpy(slots).to(row.device, row.dtype)
-            state.terminal_written = True
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         state = getattr(req, "akv", None)

@@ -5,16 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from akv.system.adapter.context_request import AkvRequest
-from akv.system.cache.occurrence import plan_occurrences
-from akv.system.cache.plan import MatchResult
-from akv.system.context.program import ContextProgram
+from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
+from akv.system.cache.occurrence import cold_plan
 from akv.system.context.wire import WireError, decode_program
-
-BACKEND = "akv"
-_NOTHING = MatchResult(0, 0, np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64))
 
 
 def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | None:
@@ -24,7 +18,7 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
     data = getattr(recv_req, "context_program", None)
     if data is None:
         return None
-    if server_args.radix_cache_backend != BACKEND:
+    if server_args.radix_cache_backend != REQUIRED_RADIX_CACHE_BACKEND:
         return (f"server configuration: radix_cache_backend {server_args.radix_cache_backend!r} cannot execute "
                 "drop_message/reposition (start with python -m akv.system.launch_server)")
     if not server_args.chunked_prefill_size or server_args.chunked_prefill_size <= 0:
@@ -36,18 +30,12 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
     if program.token_ids.tolist() != list(req.origin_input_ids):
         return "context_program: its tokens differ from the request's input_ids"
     bound = program.n_tokens + sum(int(t.tokens.size) for t in program.transitions)  # births + copies, at most
-    needed = cold_slots(program) if bound > pool_size else bound
+    needed = cold_plan(program).n_slots if bound > pool_size else bound
     if needed > pool_size:
         return (f"messages: the prompt needs {needed} KV slots with its re-rotated copies, more than the "
                 f"{pool_size} this server holds")
     req.akv = AkvRequest(program, req.extra_key or "")
     return None
-
-
-def cold_slots(program: ContextProgram) -> int:
-    """KV slots the prompt needs on an empty cache (births and copy slots): the most it can need."""
-    cold = plan_occurrences(program, _NOTHING)
-    return cold.n_births + cold.n_copy_slots
 
 
 def cap_extend(req: Any) -> bool:

@@ -92,7 +92,7 @@ class CacheCore:
         """Match ``program`` against the tree and plan it; takes nothing. ``cold`` plans as if the
         tree were empty (everything recomputed)."""
         key = program_key(program, namespace)
-        match = self.tree.match(key) if not cold else self.tree.match(key.prefix(0))
+        match = MatchResult.empty() if cold else self.tree.match(key)
         return Draft(program, key, match, plan_occurrences(program, match), self.tree.epoch)
 
     def commit(self, draft: Draft, *, held: bool = False) -> ActiveRequest:

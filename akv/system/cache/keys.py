@@ -47,12 +47,6 @@ class RecordKey:
         """How many tokens have their record (and hence their whole history) in ``records[:n_records]``."""
         return int(np.searchsorted(self.token_record, n_records, side="left"))
 
-    def prefix(self, n_records: int) -> RecordKey:
-        """The first ``n_records`` records (and the tokens among them)."""
-        n = self.tokens_within(n_records)
-        return RecordKey(frozen(self.records[:n_records].copy(), np.int64), frozen(self.token_record[:n].copy(), np.int64),
-                         self.namespace)
-
     def with_tokens(self, token_ids: np.ndarray) -> RecordKey:
         """This key followed by appended tokens (generated at the final stage, no further events)."""
         ids = _token_ids(token_ids)

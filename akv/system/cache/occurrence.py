@@ -50,6 +50,11 @@ class DraftPlan:
     def n_births(self) -> int:
         return int(self.plan.computed.sum())
 
+    @property
+    def n_slots(self) -> int:
+        """Fresh slots the request needs: its births and its copy slots."""
+        return self.n_births + self.n_copy_slots
+
     def bind_copies(self, copy_slots: np.ndarray) -> RequestPlan:
         """The plan with copy ids replaced by ``copy_slots`` (real, in order); births stay virtual."""
         copy_slots = np.asarray(copy_slots, dtype=np.int64)
@@ -122,6 +127,11 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         return np.where(copies, recolor[np.where(copies, -a - offset, colors.size)], a)
 
     return DraftPlan(program.n_tokens, n_colors, map_slots(plan, colored))
+
+
+def cold_plan(program: ContextProgram) -> DraftPlan:
+    """The plan on an empty cache: everything read is computed here (the most slots it can need)."""
+    return plan_occurrences(program, MatchResult.empty())
 
 
 def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray, int]:

@@ -30,6 +30,12 @@ class MatchResult:
         """Per matched token: at least one version is resident."""
         return (self.slots >= 0).any(axis=1)
 
+    @classmethod
+    def empty(cls) -> MatchResult:
+        """Nothing resident: what an empty tree (or a cold plan) matches."""
+        none = frozen(np.zeros((0, 1), dtype=np.int64), np.int64)
+        return cls(n_tokens=0, n_records=0, slots=none, positions=none)
+
 
 @dataclass(frozen=True)
 class CopyJob:

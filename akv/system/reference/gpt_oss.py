@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from akv.system.reference.model import AttentionInputs, ConfigError, read_model_dir
+from akv.system.reference.model import AttentionInputs, ConfigError, embed_tokens, read_model_dir
 from akv.system.reference.rope import inv_frequencies
 from akv.system.reference.yarn import Yarn, rerotate, rotate
 
@@ -162,13 +162,7 @@ class GptOssReferenceModel:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` entering layer 0."""
-        ids = torch.as_tensor(token_ids, dtype=torch.int64)
-        if ids.ndim != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)][0].item()
-            raise ValueError(f"token_ids must be in [0, {self.config.vocab_size}), got {bad}")
-        return self._w["model.embed_tokens.weight"][ids]
+        return embed_tokens(self._w["model.embed_tokens.weight"], token_ids)
 
     def attention_inputs(self, layer: int, hidden: torch.Tensor) -> AttentionInputs:
         """Biased projections of ``hidden`` for ``layer`` (no q/k norm)."""

@@ -140,6 +140,18 @@ def read_model_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     return config, weights
 
 
+def embed_tokens(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows of the embedding ``table`` for ``token_ids`` (1-D, each in range)."""
+    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    if ids.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
+    vocab = table.shape[0]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = ids[(ids < 0) | (ids >= vocab)][0].item()
+        raise ValueError(f"token_ids must be in [0, {vocab}), got {bad}")
+    return table[ids]
+
+
 class ReferenceModel:
     """Weights plus the per-layer pieces of the forward pass, all computed in ``dtype``."""
 
@@ -183,13 +195,7 @@ class ReferenceModel:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` entering layer 0."""
-        ids = torch.as_tensor(token_ids, dtype=torch.int64)
-        if ids.ndim != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)][0].item()
-            raise ValueError(f"token_ids must be in [0, {self.config.vocab_size}), got {bad}")
-        return self._w["model.embed_tokens.weight"][ids]
+        return embed_tokens(self._w["model.embed_tokens.weight"], token_ids)
 
     def attention_inputs(self, layer: int, hidden: torch.Tensor) -> AttentionInputs:
         """Projections of ``hidden`` for ``layer``; Qwen3 applies its q/k RMSNorm here, before RoPE."""

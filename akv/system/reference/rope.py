@@ -33,9 +33,14 @@ def rotate(
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim must be even and in (0, {head_dim}], got {rotary_dim}")
     cos, sin = cos_sin(positions, rotary_dim, theta)
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    xf = x.to(torch.float32)
-    rot, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
+    return apply_rotation(x.to(torch.float32), cos[..., None, :], sin[..., None, :], neox=neox)
+
+
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` features of ``x`` by the given per-pair cos/sin (already
+    broadcastable over heads; NeoX halves or GPT-J interleaved pairs); the rest pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     if neox:
         a, b = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
         out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from akv.system.reference.rope import apply_rotation
+
 
 @dataclass(frozen=True)
 class Yarn:
@@ -116,16 +118,7 @@ def rotate(
     if rotary_dim > x.shape[-1]:
         raise ValueError(f"inv_freq covers {rotary_dim} features, more than head_dim {x.shape[-1]}")
     cos, sin = cos_sin(positions, inv_freq, work)
-    cos, sin = (cos * scale)[..., None, :], (sin * scale)[..., None, :]
-    xf = x.to(work)
-    rot, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
-    if neox:
-        a, b = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
-        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    else:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    return torch.cat((out, rest), dim=-1)
+    return apply_rotation(x.to(work), (cos * scale)[..., None, :], (sin * scale)[..., None, :], neox=neox)
 
 
 def rerotate(

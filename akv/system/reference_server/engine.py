@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from akv.agent.templating import template_content_format
-from akv.system.cache import ActiveRequest, CacheCore, CacheFull, MatchResult, SlotPool
-from akv.system.cache.occurrence import plan_occurrences
+from akv.system.cache import ActiveRequest, CacheCore, CacheFull, SlotPool
+from akv.system.cache.occurrence import cold_plan
 from akv.system.context.compiler import ProgramError, compile_program
 from akv.system.context.program import ContextProgram
 from akv.system.context.provenance import ChatTemplate, token_provenance
@@ -37,9 +37,6 @@ DEFAULT_KV_SLOTS = 16384
 TOP_CANDIDATES = 20
 
 OnToken = Callable[[TokenStep, str], None]
-_NO_MATCH = MatchResult(n_tokens=0, n_records=0, slots=np.zeros((0, 1), np.int64),
-                        positions=np.zeros((0, 1), np.int64))
-
 
 class EngineBusy(RuntimeError):
     """The KV pool cannot hold the request while other requests hold slots; it may fit later."""
@@ -98,8 +95,7 @@ class Engine:
             raise RequestError("messages", program.n_prompt, f"the prompt needs position {program.next_position}, "
                                f"beyond this model's maximum context length of {self.max_context} tokens")
         max_new_tokens = min(room, request.sampling.max_tokens)
-        cold = plan_occurrences(program, _NO_MATCH)
-        prompt_slots = cold.n_births + cold.n_copy_slots
+        prompt_slots = cold_plan(program).n_slots
         if prompt_slots > self.pool.size:
             raise RequestError("messages", program.n_prompt, f"the prompt needs {prompt_slots} KV slots, more than "
                                f"the {self.pool.size} this server holds (maximum context length)")
