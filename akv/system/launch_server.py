@@ -2,8 +2,9 @@
 
 ``python -m akv.system.launch_server [SGLang flags]`` checks that the installed SGLang is the AKV
 build, adds ``--page-size 1``, ``--attention-backend triton`` and ``--radix-cache-backend akv``
-unless given, refuses flags that contradict them (and a disabled radix cache or chunked prefill),
-and hands every flag to SGLang's own launcher.
+unless given (``--attention-backend flashinfer`` is the other backend that executes context
+requests), refuses flags that contradict them (and a disabled radix cache or chunked prefill), and
+hands every flag to SGLang's own launcher.
 """
 
 from __future__ import annotations
@@ -15,26 +16,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from akv.system.adapter.serving import REQUIRED_ATTENTION_BACKEND, REQUIRED_PAGE_SIZE, REQUIRED_RADIX_CACHE_BACKEND
+from akv.system.adapter.serving import ATTENTION_BACKENDS, REQUIRED_PAGE_SIZE, REQUIRED_RADIX_CACHE_BACKEND
 
 PATCHED_SUFFIX = "+akv"
 BUILD_COMMAND = "python -m akv.system._build --out dist --install"
 
 AKV_DEFAULTS: dict[str, str] = {
     "--page-size": str(REQUIRED_PAGE_SIZE),
-    "--attention-backend": REQUIRED_ATTENTION_BACKEND,
+    "--attention-backend": ATTENTION_BACKENDS[0],
     "--radix-cache-backend": REQUIRED_RADIX_CACHE_BACKEND,
 }
-"""Flags added when absent, with the only value AKV accepts."""
+"""Flags added when absent."""
 
-REQUIRED: dict[str, str] = {
-    **AKV_DEFAULTS,
-    "--prefill-attention-backend": REQUIRED_ATTENTION_BACKEND,
-    "--decode-attention-backend": REQUIRED_ATTENTION_BACKEND,
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "--page-size": (str(REQUIRED_PAGE_SIZE),),
+    "--attention-backend": ATTENTION_BACKENDS,
+    "--radix-cache-backend": (REQUIRED_RADIX_CACHE_BACKEND,),
+    "--prefill-attention-backend": ATTENTION_BACKENDS,
+    "--decode-attention-backend": ATTENTION_BACKENDS,
 }
-"""Flags that may be given but only with this value."""
+"""Flags that may be given but only with one of these values."""
 
-_SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag in REQUIRED}
+_SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag in ALLOWED}
 
 
 class LaunchError(RuntimeError):
@@ -80,10 +83,10 @@ def apply_akv_defaults(argv: list[str]) -> list[str]:
     while i < len(argv):
         arg = argv[i]
         flag, sep, value = arg.partition("=")
-        if flag in REQUIRED:
+        if flag in ALLOWED:
             if not sep:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise LaunchError(f"{flag}: missing value (AKV needs {REQUIRED[flag]!r})")
+                    raise LaunchError(f"{flag}: missing value (AKV needs {_choices(flag)})")
                 value = argv[i + 1]
                 i += 1
             _require(flag, value)
@@ -94,11 +97,15 @@ def apply_akv_defaults(argv: list[str]) -> list[str]:
 
 
 def _require(flag: str, value: Any) -> None:
-    if str(value) != REQUIRED[flag]:
+    if str(value) not in ALLOWED[flag]:
         raise LaunchError(
-            f"{flag} {value!r} conflicts with AKV: drop/reposition need {flag} {REQUIRED[flag]} "
-            "(leave the flag out to get it)"
+            f"{flag} {value!r} conflicts with AKV: drop/reposition need {flag} {_choices(flag)} "
+            f"(leave the flag out to get {AKV_DEFAULTS.get(flag, ALLOWED[flag][0])})"
         )
+
+
+def _choices(flag: str) -> str:
+    return " or ".join(ALLOWED[flag])
 
 
 def check_server_args(server_args: Any) -> None:

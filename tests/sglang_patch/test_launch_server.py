@@ -27,6 +27,7 @@ def test_defaults_are_added_and_other_flags_pass_through_in_order() -> None:
         ["--page-size=1", "--attention-backend=triton", "--radix-cache-backend=akv"],
         ["--attention-backend", "triton", "--decode-attention-backend", "triton", "--page-size", "1",
          "--radix-cache-backend", "akv"],
+        ["--attention-backend", "flashinfer", "--page-size", "1", "--radix-cache-backend", "akv"],
     ],
 )
 def test_agreeing_flags_are_kept_once(argv: list[str]) -> None:
@@ -39,10 +40,10 @@ def test_agreeing_flags_are_kept_once(argv: list[str]) -> None:
     [
         (["--page-size", "16"], "--page-size", "16"),
         (["--page-size=64"], "--page-size", "64"),
-        (["--attention-backend", "flashinfer"], "--attention-backend", "flashinfer"),
+        (["--attention-backend", "torch_native"], "--attention-backend", "torch_native"),
         (["--attention-backend=fa3"], "--attention-backend", "fa3"),
         (["--prefill-attention-backend", "fa3"], "--prefill-attention-backend", "fa3"),
-        (["--decode-attention-backend", "flashinfer"], "--decode-attention-backend", "flashinfer"),
+        (["--decode-attention-backend", "fa3"], "--decode-attention-backend", "fa3"),
         (["--page-size", "1", "--page-size", "4"], "--page-size", "4"),
         (["--radix-cache-backend", "lru"], "--radix-cache-backend", "lru"),
     ],
@@ -64,11 +65,14 @@ def test_parsed_server_args_are_checked_too() -> None:
                          decode_attention_backend="triton", radix_cache_backend="akv", chunked_prefill_size=None,
                          disable_radix_cache=False)
     ls.check_server_args(ok)
+    ls.check_server_args(SimpleNamespace(**{**vars(ok), "attention_backend": "flashinfer",
+                                            "decode_attention_backend": "flashinfer"}))
     for field, value, flag in [
         ("page_size", 4, "--page-size"),
         ("attention_backend", "fa3", "--attention-backend"),
         ("attention_backend", None, "--attention-backend"),
-        ("prefill_attention_backend", "flashinfer", "--prefill-attention-backend"),
+        ("prefill_attention_backend", "fa3", "--prefill-attention-backend"),
+        ("decode_attention_backend", "torch_native", "--decode-attention-backend"),
     ]:
         bad = SimpleNamespace(**{**vars(ok), field: value})
         with pytest.raises(ls.LaunchError, match=f"{flag} {value!r} conflicts"):

@@ -65,7 +65,7 @@ def test_unsupported_request_modes_are_refused(request_fields: dict, multimodal:
     [
         ("chatml", {}, "chat_template: the built-in template 'chatml'"),
         (None, {"page_size": 16}, "server configuration: page_size 16"),
-        (None, {"attention_backend": "flashinfer"}, "server configuration: attention_backend 'flashinfer'"),
+        (None, {"attention_backend": "torch_native"}, "server configuration: attention_backend 'torch_native'"),
         (None, {"decode_attention_backend": "fa3"}, "server configuration: decode_attention_backend 'fa3'"),
         (None, {"prefill_attention_backend": "fa3"}, "server configuration: prefill_attention_backend 'fa3'"),
         (None, {"radix_cache_backend": None}, "server configuration: radix_cache_backend None cannot execute"),

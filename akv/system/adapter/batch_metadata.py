@@ -34,10 +34,13 @@ class CopyBatch:
 @dataclass(frozen=True)
 class AkvForward:
     """A forward's AKV inputs: ``positions`` per token; per entry (request) the ``visible_until``
-    table row and the index of its first query; the copies to run before attention."""
+    table row and the index of its first query, and on the host the number of keys before that
+    query it reads (sizes the index lists without a device read-back); the copies to run before
+    attention."""
 
     positions: torch.Tensor
     visibility: VisibleUntil
+    visible_prefix: np.ndarray
     copies: CopyBatch | None
 
 
@@ -50,21 +53,20 @@ class VisibilityTable:
 
     def write(self, req_pool_idx: int, state: AkvRequest) -> None:
         row = state.visibility_row(self.table.shape[1])
-        self.table[req_pool_idx + 1] = torch.from_numpy(row.astype(np.int32)).to(self.table.device)
+        self.table[req_pool_idx + 1] = _to_device(row.astype(np.int32), self.table.device)
 
 
-def _settle(batch: Any) -> None:
-    """Before a context batch rewrites ``req_to_token`` rows on the host side, let the forward in
-    flight (overlap scheduling) finish reading them."""
-    if torch.device(batch.device).type == "cuda":
-        torch.cuda.synchronize(batch.device)
+def _to_device(values: np.ndarray, device: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array on the device, queued on the current (scheduler) stream without waiting for it:
+    SGLang orders that stream's work after the in-flight forward's reads (its WAR barrier), so the
+    forward being overlapped never sees a context request's next writes."""
+    return torch.from_numpy(np.ascontiguousarray(values)).to(device=device, dtype=dtype, non_blocking=True)
 
 
 def before_alloc(batch: Any) -> None:
     """Commit each context request of an extend batch and set its round's prefix view."""
     if not any(getattr(r, "akv", None) is not None for r in batch.reqs):
         return
-    _settle(batch)
     core = batch.tree_cache.core
     for req in batch.reqs:
         state = getattr(req, "akv", None)
@@ -72,7 +74,7 @@ def before_alloc(batch: Any) -> None:
             continue
         state.commit(core)
         view = state.prefix_view(req.extend_range.start)
-        req.prefix_indices = torch.from_numpy(view).to(batch.device)
+        req.prefix_indices = _to_device(view, batch.device)
 
 
 def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
@@ -81,7 +83,7 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
         return None
     cache = batch.tree_cache
     slots = out_cache_loc.cpu().numpy().astype(np.int64)
-    positions, rows, queries, copies = [], [], [], []
+    positions, rows, queries, prefix, copies = [], [], [], [], []
     offset = 0
     for req, lo, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
         state = getattr(req, "akv", None)
@@ -90,6 +92,7 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
             positions.append(np.arange(lo, hi, dtype=np.int64))
             rows.append(0)
             queries.append(0)
+            prefix.append(lo)
         else:
             if lo == state.first_start:
                 cache.visibility.write(req.req_pool_idx, state)
@@ -98,45 +101,46 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
             positions.append(state.round_positions(lo, hi))
             rows.append(req.req_pool_idx + 1)
             queries.append(lo)
+            prefix.append(state.visible_before(lo))
             job = state.round_copies(lo)
             if job is not None:
                 copies.append(job)
         offset += ext
-    return _forward(cache, batch.device, np.concatenate(positions), rows, queries, copies)
+    return _forward(cache, batch.device, np.concatenate(positions), rows, queries, prefix, copies)
 
 
 def for_decode(batch: Any) -> AkvForward | None:
     """Before each decode step: terminal views into ``req_to_token`` (once), positions, copies."""
     if not any(getattr(r, "akv", None) is not None for r in batch.reqs):
         return None
-    _settle(batch)
     cache = batch.tree_cache
     seq_lens = batch.seq_lens_cpu.numpy().astype(np.int64)
-    offsets, rows, copies = [], [], []
-    for req in batch.reqs:
+    offsets, rows, prefix, copies = [], [], [], []
+    for req, seq_len in zip(batch.reqs, seq_lens):
         state = getattr(req, "akv", None)
         if state is None:
             offsets.append(0)
             rows.append(0)
+            prefix.append(seq_len - 1)
             continue
         if not state.terminal_written:
             tokens, slots, job = state.terminal()
             table = batch.req_to_token_pool.req_to_token
-            table[req.req_pool_idx, torch.from_numpy(tokens).to(table.device)] = torch.from_numpy(slots).to(
-                table.device, table.dtype)
+            table[req.req_pool_idx, _to_device(tokens, table.device)] = _to_device(slots, table.device, table.dtype)
             state.terminal_written = True
             if job is not None:
                 copies.append(job)
         offsets.append(state.decode_offset())
         rows.append(req.req_pool_idx + 1)
+        prefix.append(state.visible_before(int(seq_len) - 1))
     positions = seq_lens - 1 + np.asarray(offsets, dtype=np.int64)
-    return _forward(cache, batch.device, positions, rows, (seq_lens - 1).tolist(), copies)
+    return _forward(cache, batch.device, positions, rows, (seq_lens - 1).tolist(), prefix, copies)
 
 
 def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], queries: list[int],
-             copies: list[CopyJob]) -> AkvForward:
+             prefix: list[int], copies: list[CopyJob]) -> AkvForward:
     def dev(values: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device=device, dtype=dtype)
+        return _to_device(np.asarray(values, dtype=np.int64), device, dtype)
 
     visibility = VisibleUntil(visible_until=cache.visibility.table, rows=dev(rows, torch.int64),
                               query_index=dev(queries, torch.int64))
@@ -144,7 +148,8 @@ def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], qu
     if copies:
         cat = lambda name: dev(np.concatenate([getattr(job, name) for job in copies]), torch.int64)  # noqa: E731
         batch_copies = CopyBatch(cat("src"), cat("dst"), cat("old_positions"), cat("new_positions"))
-    return AkvForward(positions=dev(positions, torch.int64), visibility=visibility, copies=batch_copies)
+    return AkvForward(positions=dev(positions, torch.int64), visibility=visibility,
+                      visible_prefix=np.asarray(prefix, dtype=np.int64), copies=batch_copies)
 
 
 def triton_kv_lists(forward_batch: Any, req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +157,17 @@ def triton_kv_lists(forward_batch: Any, req_to_token: torch.Tensor) -> tuple[tor
     every visible column; extend reads the visible prefix (the round's own keys come causally)."""
     akv: AkvForward = forward_batch.akv
     if forward_batch.forward_mode.is_decode_or_idle():
+        out = _index_buffer(akv.visible_prefix + 1, req_to_token.device, torch.int64)
         lists = decode_kv_indices(req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                  akv.visibility, index_dtype=torch.int64)
+                                  akv.visibility, out=out, validate=False)
     else:
+        out = _index_buffer(akv.visible_prefix, req_to_token.device, torch.int64)
         lists = extend_kv_indices(req_to_token, forward_batch.req_pool_indices,
                                   forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, akv.visibility,
-                                  include_extend=False, index_dtype=torch.int64).kv
+                                  include_extend=False, out=out, validate=False).kv
     return lists.kv_indptr, lists.kv_indices
+
+
+def _index_buffer(counts: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An index list sized from host counts (no device read-back)."""
+    return torch.empty(int(counts.sum()), dtype=dtype, device=device)

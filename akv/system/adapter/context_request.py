@@ -36,6 +36,7 @@ class AkvRequest:
         self.locks = 0
         self.segment = 0
         self.terminal_written = False
+        self._kept: tuple[ContextProgram, int] | None = None
 
     # ---- planning -------------------------------------------------------------------------------
 
@@ -167,6 +168,20 @@ class AkvRequest:
         view = self.active.plan.terminal
         copies = self._real(view.copies) if view.copies.size else None
         return view.tokens, self.resolve(view.slots), copies
+
+    def visible_before(self, column: int) -> int:
+        """Columns ``< column`` the query at ``column`` reads (a round's first query, or a decode step)."""
+        n = self.program.n_tokens
+        if column >= n:
+            return self._n_kept + column - n
+        keep, until = self.program.keep[:column], self.program.visible_until[:column]
+        return int(np.count_nonzero(keep | (until > column)))
+
+    @property
+    def _n_kept(self) -> int:
+        if self._kept is None or self._kept[0] is not self.program:
+            self._kept = (self.program, int(np.count_nonzero(self.program.keep)))
+        return self._kept[1]
 
     def decode_offset(self) -> int:
         """Position of column ``c >= n_tokens`` is ``c + decode_offset()``."""

@@ -64,7 +64,3 @@ def must_wait(req: Any, has_chunked_req: bool, new_chunked_req: Any) -> bool:
 def extra_budget(req: Any) -> int:
     state: AkvRequest | None = req.akv
     return 0 if state is None else state.extra_budget()
-
-
-def in_batch(batch: Any) -> bool:
-    return batch is not None and any(r.akv is not None for r in batch.reqs)

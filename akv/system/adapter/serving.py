@@ -13,7 +13,8 @@ from akv.system.context.rules import ContextRules, RuleError, is_plain_request
 from akv.system.context.wire import encode_program
 
 REQUIRED_PAGE_SIZE = 1
-REQUIRED_ATTENTION_BACKEND = "triton"
+ATTENTION_BACKENDS = ("triton", "flashinfer")
+"""Attention backends that execute context requests (the first is the launcher's default)."""
 REQUIRED_RADIX_CACHE_BACKEND = "akv"
 
 _RENDER_ARGUMENTS = frozenset({"tokenizer", "messages", "drop_message", "reposition", "tools", "add_generation_prompt"})
@@ -160,8 +161,8 @@ def _check_server(server_args: Any) -> None:
         )
     for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         value = getattr(server_args, name)
-        if value not in (None, REQUIRED_ATTENTION_BACKEND):
+        if value not in (None, *ATTENTION_BACKENDS):
             raise UnsupportedContextRequest(
                 f"server configuration: {name} {value!r} is not supported with drop_message/reposition "
-                f"(needs {REQUIRED_ATTENTION_BACKEND!r}; start with python -m akv.system.launch_server)", name
+                f"(needs one of {', '.join(ATTENTION_BACKENDS)}; start with python -m akv.system.launch_server)", name
             )
