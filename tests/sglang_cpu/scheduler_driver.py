@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "sglang_patch"))
 
 import cpu_shim  # noqa: E402
+import flashinfer_probe  # noqa: E402
 
 JOB = json.loads(sys.stdin.read())
 os.environ.update({key: str(value) for key, value in JOB.get("env", {}).items()})  # before SGLang reads them
@@ -195,6 +196,8 @@ def _empty() -> dict[str, Any]:
 
 def main() -> None:
     job = JOB
+    if job.get("flashinfer_probe"):
+        flashinfer_probe.install()
     started = time.time()
     driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096))
     report: dict[str, Any] = {"startup_s": round(time.time() - started, 1), "waves": []}
@@ -208,6 +211,8 @@ def main() -> None:
         raise RuntimeError(driver.error)
     report["results"] = driver.results()
     report["batches"] = driver.batches
+    if job.get("flashinfer_probe"):
+        report["flashinfer_probe"] = flashinfer_probe.report()
     print(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)

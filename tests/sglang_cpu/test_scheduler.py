@@ -41,7 +41,7 @@ def oracle_model(tiny_qwen3: Path) -> ReferenceModel:
 @pytest.fixture(scope="module", params=list(MODES))
 def matrix_run(request: pytest.FixtureRequest, patched_site: Path, tiny_qwen3: Path) -> tuple[list, dict]:
     waves = scenarios.matrix()
-    return waves, serve(patched_site, tiny_qwen3, scenarios.job(waves), **MODES[request.param])
+    return waves, serve(patched_site, tiny_qwen3, scenarios.job(waves), flashinfer_probe=True, **MODES[request.param])
 
 
 def _program(request: Request):
@@ -124,6 +124,14 @@ def test_matrix_usage_equals_the_cache_cores_accounting(matrix_run: tuple[list, 
 
 def test_matrix_leaves_the_pool_as_it_found_it(matrix_run: tuple[list, dict]) -> None:
     assert_pool_back(matrix_run[1])
+
+
+def test_flashinfer_plans_read_the_same_visible_kv(matrix_run: tuple[list, dict]) -> None:
+    """FlashInfer's decode lists (eager and into a padded CUDA-graph buffer) and paged-prefill lists,
+    planned through stand-in wrappers for every context forward, equal the triton backend's."""
+    probe = matrix_run[1]["flashinfer_probe"]
+    assert probe["decode"] > 0 and probe["extend"] > 0, probe
+    assert probe["n_mismatches"] == 0, probe["mismatches"]
 
 
 def test_context_and_plain_requests_share_batches(matrix_run: tuple[list, dict]) -> None:

@@ -24,7 +24,7 @@ TINY_SHAPE: dict[str, Any] = {
 QWEN3_8B_SHAPE: dict[str, Any] = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False,
-    "rope_theta": 1_000_000.0, "max_position_embeddings": 40960,
+    "rope_theta": 1_000_000.0, "max_position_embeddings": 262144,
 }
 
 

@@ -72,7 +72,10 @@ def before_alloc(batch: Any) -> None:
         state = getattr(req, "akv", None)
         if state is None:
             continue
+        first = state.first_usage is None
         state.commit(core)
+        if first:
+            batch.tree_cache.metrics.admitted(state.program, state.active.plan)
         view = state.prefix_view(req.extend_range.start)
         req.prefix_indices = _to_device(view, batch.device)
 

@@ -19,6 +19,7 @@ import torch
 
 from akv.system.adapter.batch_metadata import VisibilityTable
 from akv.system.adapter.context_request import AkvRequest
+from akv.system.adapter.metrics import AkvMetrics
 from akv.system.cache.core import CacheCore
 from akv.system.cache.keys import plain_key
 from akv.system.cache.pool import SlotPool
@@ -33,6 +34,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.runtime_context import get_server_args
 
 
 class AllocatorFreeList:
@@ -80,6 +82,8 @@ class AkvRadixCache(BasePrefixCache):
         self.core = CacheCore(SlotPool(allocator.size, free_list=AllocatorFreeList(allocator)))
         self.root_node = RootNode()
         self.visibility = VisibilityTable(self.req_to_token_pool.req_to_token)
+        server_args = get_server_args()
+        self.metrics = AkvMetrics(bool(server_args.enable_metrics), server_args.served_model_name or "")
 
     # ---- matching and locking -------------------------------------------------------------------
 
@@ -200,7 +204,9 @@ class AkvRadixCache(BasePrefixCache):
     # ---- memory ---------------------------------------------------------------------------------
 
     def evict(self, params: EvictParams) -> EvictResult:
-        return EvictResult(num_tokens_evicted=self.core.tree.evict(params.num_tokens))
+        evicted = self.core.tree.evict(params.num_tokens)
+        self.metrics.evicted(evicted)
+        return EvictResult(num_tokens_evicted=evicted)
 
     def evictable_size(self) -> int:
         return self.core.pool.n_evictable

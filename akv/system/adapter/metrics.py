@@ -1,0 +1,63 @@
+"""AKV's Prometheus counters, next to SGLang's own (``--enable-metrics``; scheduler process).
+
+Per context request, counted once when it is first committed (a re-admission after a retraction
+is not a new request): the request, its Drop and Repos events, the tokens it read through
+re-rotated copies, and the *recovered* tokens: prompt tokens before its last cache operation that
+had to be prefilled because their KV (as those tokens originally saw the context) was not resident.
+Per eviction: the KV slots the AKV tree freed.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from akv.system.context.program import EventKind
+
+PREFIX = "sglang:akv_"
+
+
+_COUNTERS = {
+    "context_requests": "Requests with drop_message/reposition.",
+    "drops": "Drop events of context requests.",
+    "repositions": "Repos events of context requests.",
+    "rerotated_tokens": "Tokens read through re-rotated KV copies.",
+    "recovered_tokens": "Prompt tokens before a request's last cache operation that were prefilled.",
+    "evicted_tokens": "KV slots freed by the AKV tree's eviction.",
+}
+
+
+@cache
+def _families() -> dict[str, Any]:
+    """One Prometheus family per counter and process (after SGLang set PROMETHEUS_MULTIPROC_DIR)."""
+    from prometheus_client import Counter
+
+    return {name: Counter(f"{PREFIX}{name}_total", text, labelnames=("model_name",)) for name, text in _COUNTERS.items()}
+
+
+class AkvMetrics:
+    """The counters of one served model; a no-op without ``--enable-metrics``."""
+
+    def __init__(self, enabled: bool, model_name: str = "") -> None:
+        self.enabled = enabled
+        if enabled:
+            for name, family in _families().items():
+                setattr(self, name, family.labels(model_name=model_name))
+
+    def admitted(self, program: Any, plan: Any) -> None:
+        """A context request's first commit: its program and the plan it runs."""
+        if not self.enabled:
+            return
+        kinds = [event.kind for event in program.events]
+        self.context_requests.inc()
+        self.drops.inc(kinds.count(EventKind.DROP))
+        self.repositions.inc(kinds.count(EventKind.REPOS))
+        self.rerotated_tokens.inc(plan.usage.repos_tokens)
+        last = program.events[-1].at if program.events else 0
+        self.recovered_tokens.inc(int(np.count_nonzero(plan.computed[:last])))
+
+    def evicted(self, n_slots: int) -> None:
+        if self.enabled and n_slots:
+            self.evicted_tokens.inc(n_slots)

@@ -1,0 +1,121 @@
+"""Test-side probe: FlashInfer's plans for every context forward the CPU scheduler runs.
+
+FlashInfer itself is CUDA-only, so :mod:`akv.system.adapter.flashinfer_lists` runs here against
+stand-in wrappers that record what they are planned with, for the very forward batches the triton
+backend serves (whose lists the oracle checks end to end). For each batch the FlashInfer lists must
+equal the triton backend's: decode the same visible columns, eagerly and into a padded CUDA-graph
+buffer; extend the visible prefix followed by the round's own slots, with the query segments and
+the host-side counts FlashInfer's plan reads.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from akv.system.adapter import batch_metadata, flashinfer_lists
+
+STATS: dict[str, Any] = {"decode": 0, "extend": 0, "mismatches": []}
+_PAD = 2
+
+
+class RecordingWrapper:
+    """Stands in for a FlashInfer wrapper: keeps the arguments of its last plan."""
+
+    def __init__(self, graph_buffer: torch.Tensor | None = None) -> None:
+        self.is_cuda_graph_enabled = graph_buffer is not None
+        self._paged_kv_indices_buf = graph_buffer
+        self.planned: tuple | None = None
+
+    def begin_forward(self, *args: Any, **kwargs: Any) -> None:
+        self.planned = args
+
+
+def install() -> None:
+    served = batch_metadata.triton_kv_lists
+
+    def probing(forward_batch: Any, req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        indptr, indices = served(forward_batch, req_to_token)
+        lists = _split(indptr, indices)
+        if forward_batch.forward_mode.is_decode_or_idle():
+            _check_decode(forward_batch, req_to_token, lists)
+        else:
+            _check_extend(forward_batch, req_to_token, lists)
+        return indptr, indices
+
+    batch_metadata.triton_kv_lists = probing
+
+
+def report() -> dict[str, Any]:
+    return {**STATS, "mismatches": STATS["mismatches"][:5], "n_mismatches": len(STATS["mismatches"])}
+
+
+def _mismatch(kind: str, what: str, got: Any, expected: Any) -> None:
+    STATS["mismatches"].append({"kind": kind, "what": what, "got": str(got)[:300], "expected": str(expected)[:300]})
+
+
+def _backend(req_to_token: torch.Tensor, bs: int) -> SimpleNamespace:
+    updater = SimpleNamespace(req_to_token=req_to_token, kv_last_page_len=torch.ones(bs, dtype=torch.int32),
+                              num_qo_heads=4, num_kv_heads=2, head_dim=16, q_data_type=torch.float32,
+                              data_type=torch.float32)
+    return SimpleNamespace(indices_updater_decode=updater, indices_updater_prefill=updater,
+                           kv_indptr=[torch.zeros(bs + 1, dtype=torch.int32)],
+                           prefill_wrappers_paged=[RecordingWrapper()])
+
+
+def _split(indptr: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
+    return [indices[int(indptr[i]):int(indptr[i + 1])].tolist() for i in range(indptr.numel() - 1)]
+
+
+def _check_decode(fb: Any, req_to_token: torch.Tensor, expected: list[list[int]]) -> None:
+    STATS["decode"] += 1
+    bs = len(expected)
+    eager = SimpleNamespace(batch_size=bs, req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, akv=fb.akv)
+    given, kv_lens = flashinfer_lists.decode_inputs(_backend(req_to_token, bs), eager, [RecordingWrapper()], None, None)
+    if _split(given.kv_indptr, given.kv_indices) != expected:
+        _mismatch("decode", "eager lists", _split(given.kv_indptr, given.kv_indices), expected)
+    if kv_lens.tolist() != [len(x) for x in expected]:
+        _mismatch("decode", "host counts", kv_lens.tolist(), [len(x) for x in expected])
+
+    padded_bs = bs + _PAD
+    pad = torch.zeros(_PAD, dtype=fb.req_pool_indices.dtype)
+    graph = SimpleNamespace(
+        batch_size=padded_bs, akv=fb.akv,
+        req_pool_indices=torch.cat([fb.req_pool_indices, pad]),
+        seq_lens=torch.cat([fb.seq_lens, torch.ones(_PAD, dtype=fb.seq_lens.dtype)]),
+    )
+    buffer = torch.full((sum(map(len, expected)) + _PAD + 64,), -1, dtype=torch.int32)
+    backend = _backend(req_to_token, padded_bs)
+    given, kv_lens = flashinfer_lists.decode_inputs(backend, graph, [RecordingWrapper(buffer)], None, None)
+    padding = [[int(req_to_token[0, 0])]] * _PAD
+    if given.kv_indices.data_ptr() != buffer.data_ptr() or given.kv_indptr.data_ptr() != backend.kv_indptr[0].data_ptr():
+        _mismatch("decode", "graph lists not in the captured buffers", None, None)
+    if _split(given.kv_indptr, buffer) != expected + padding:
+        _mismatch("decode", "graph lists", _split(given.kv_indptr, buffer), expected + padding)
+    if kv_lens.tolist() != [len(x) for x in expected] + [1] * _PAD:
+        _mismatch("decode", "graph host counts", kv_lens.tolist(), [len(x) for x in expected])
+
+
+def _check_extend(fb: Any, req_to_token: torch.Tensor, prefixes: list[list[int]]) -> None:
+    STATS["extend"] += 1
+    bs = len(prefixes)
+    backend = _backend(req_to_token, bs)
+    flashinfer_lists.plan_extend(backend, fb)
+    qo_indptr, kv_indptr, kv_indices, last_page_len, *_ = backend.prefill_wrappers_paged[0].planned
+    extend_lens = fb.extend_seq_lens_cpu
+    expected_qo = [0]
+    for n in extend_lens:
+        expected_qo.append(expected_qo[-1] + int(n))
+    if qo_indptr.tolist() != expected_qo:
+        _mismatch("extend", "qo_indptr", qo_indptr.tolist(), expected_qo)
+    own = []
+    for i in range(bs):
+        row, lo = int(fb.req_pool_indices[i]), int(fb.extend_prefix_lens[i])
+        own.append(req_to_token[row, lo : lo + int(extend_lens[i])].tolist())
+    expected = [p + o for p, o in zip(prefixes, own)]
+    if _split(kv_indptr, kv_indices) != expected:
+        _mismatch("extend", "paged lists", _split(kv_indptr, kv_indices), expected)
+    if int(kv_indices.numel()) != sum(map(len, expected)) or last_page_len.tolist() != [1] * bs:
+        _mismatch("extend", "sizes", (kv_indices.numel(), last_page_len.tolist()), sum(map(len, expected)))

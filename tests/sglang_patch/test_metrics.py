@@ -1,0 +1,63 @@
+"""AKV's Prometheus counters: what an operator reads next to SGLang's metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from akv.system.adapter.metrics import AkvMetrics
+from akv.system.cache.core import CacheCore
+from akv.system.cache.pool import SlotPool
+from akv.system.context.compiler import compile_program
+from akv.system.context.rules import parse_rules
+
+prometheus = pytest.importorskip("prometheus_client")
+
+
+def _value(name: str, model: str) -> float:
+    return prometheus.REGISTRY.get_sample_value(f"sglang:akv_{name}", {"model_name": model}) or 0.0
+
+
+MESSAGES = ((1, 2, 3), (4, 5, 6, 7), (8, 9), (10, 11), (12,))
+
+
+def _program(last: int):
+    """Messages ``0..last``; message 1 dropped and the rest repositioned after message 2."""
+    ids = [t for m in MESSAGES[: last + 1] for t in m]
+    owners = [i for i, m in enumerate(MESSAGES[: last + 1]) for _ in m]
+    rules = parse_rules({"2": [1]}, [2], last + 1)
+    return compile_program(np.array(ids, dtype=np.int64), np.array(owners, dtype=np.int64), rules, last + 1)
+
+
+def test_counters_follow_the_requests_served() -> None:
+    metrics = AkvMetrics(True, model_name="counted")
+    core = CacheCore(SlotPool(256))
+    first = _program(3)
+    active = core.admit(first)
+    metrics.admitted(first, active.plan)
+    # cold: every token up to the last event (after message 2: 3 + 4 + 2 tokens) was prefilled
+    assert _value("context_requests_total", "counted") == 1
+    assert _value("drops_total", "counted") == 1 and _value("repositions_total", "counted") == 1
+    assert _value("recovered_tokens_total", "counted") == 9
+    assert _value("rerotated_tokens_total", "counted") == 0
+    core.finish(active, np.array([12], dtype=np.int64), core.allocate(1))
+
+    second = _program(4)
+    active = core.admit(second)
+    metrics.admitted(second, active.plan)
+    # warm: the history is resident, nothing before the last event is prefilled again; the reply
+    # tokens after the reposition read re-rotated KV exactly when the core reports it
+    assert _value("context_requests_total", "counted") == 2
+    assert _value("recovered_tokens_total", "counted") == 9
+    assert _value("rerotated_tokens_total", "counted") == active.plan.usage.repos_tokens
+    core.abort(active)
+
+    metrics.evicted(5)
+    metrics.evicted(0)
+    assert _value("evicted_tokens_total", "counted") == 5
+
+
+def test_disabled_metrics_register_nothing() -> None:
+    metrics = AkvMetrics(False, model_name="silent")
+    metrics.evicted(3)
+    assert _value("evicted_tokens_total", "silent") == 0
