@@ -100,6 +100,9 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
             if lo == state.first_start:
                 cache.visibility.write(req.req_pool_idx, state)
             state.bind(cache.core, lo, slots[offset : offset + ext])
+            # SGLang counts columns past cache_protected_len as KV outside the tree's accounting; a
+            # context request's prompt KV (reused, copied, born) is all in the core's pool
+            req.cache_protected_len = hi
             req.cached_tokens = state.first_usage.cached_tokens
             positions.append(state.round_positions(lo, hi))
             rows.append(req.req_pool_idx + 1)

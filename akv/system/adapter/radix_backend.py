@@ -151,7 +151,6 @@ class AkvRadixCache(BasePrefixCache):
         elif chunked:
             start = state.next_start(req.extend_range.end)
             req.prefix_indices = torch.from_numpy(state.prefix_view(start)).to(self.device)
-            req.cache_protected_len = start
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         state = getattr(req, "akv", None)
