@@ -27,20 +27,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from akv_8b_check import ROOT, Conversation, Server
+from akv_8b_check import ROOT, TOOLS, Conversation, Server
 from transformers import AutoTokenizer
 
 FLOOR_US_PER_1K = 30.7
 GOAL_RATIO = 1.10
 COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--host", "127.0.0.1", "--attention-backend", "flashinfer",
           "--page-size", "1", "--chunked-prefill-size", "16384", "--cuda-graph-max-bs", "16",
-          "--enable-cache-report", "--context-length", "270000"]
+          "--enable-cache-report", "--context-length", "262144", "--max-running-requests", "64"]
 
 
 def stream(url: str, body: dict[str, Any], tokens: int) -> dict[str, float]:
     """Time to first token and time per output token after it, from one streamed request."""
     full = {"model": "default", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, **body}
+            "stream_options": {"include_usage": True}, "tools": TOOLS, **body}
     request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(full).encode(),
                                      headers={"Content-Type": "application/json"})
     started, first, end, generated = time.perf_counter(), None, None, 0
@@ -120,7 +120,7 @@ def main() -> int:
                                  *COMMON, "--max-total-tokens", "300000", "--mem-fraction-static", "0.52"],
                      env, 30020, logs / "server-decode-patched.log")
     stock = Server("stock", [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), *COMMON,
-                             "--max-total-tokens", "150000", "--mem-fraction-static", "0.3"],
+                             "--max-total-tokens", "150000", "--mem-fraction-static", "0.32"],
                    {**env, "PYTHONPATH": str(args.stock_site)}, 30021, logs / "server-decode-stock.log")
     batches = [int(b) for b in args.batches.split()]
     report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON, "goal_ratio": GOAL_RATIO,
