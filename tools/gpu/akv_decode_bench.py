@@ -1,13 +1,13 @@
 """On the H200: decode step time of agent requests whose context is half dropped, patched server vs
-stock SGLang 0.5.16 serving a prompt of only the live tokens, side by side in one run
-(Qwen3-8B-shaped dummy weights, bf16, FlashInfer attention, decode CUDA graphs on).
+stock SGLang 0.5.16 serving a prompt of only the live tokens (Qwen3-8B-shaped dummy weights, bf16,
+FlashInfer attention, decode CUDA graphs on; each server alone on the GPU, one after the other).
 
 For each live length L: a tool conversation of about 2L tokens whose every other tool result is
 dropped at the last message (``drop_message``, no reposition) on the patched server; the same
 conversation without those results on stock. One request warms each server's cache, then B
-identical requests decode together (B = 1, 8, 16), streaming ``--tokens`` tokens each; the step time
-is a request's time per output token after its first (median over the B requests). Also the
-plain-request throughput of both servers on a burst of 16 distinct prompts, and the attention
+identical requests decode together (B = 1, 8, 16), streaming ``--tokens`` tokens each; the step
+time is measured over the window in which all B decode together (median over the requests). Also
+each server's plain-request output throughput on a burst of 16 distinct prompts, and the attention
 floor at H200 bandwidth (about 30.7 us per 1K live tokens per request per step).
 
 Run by ``tools/gpu/run.sh`` as an ``AKV_BENCH`` script; writes ``$AKV_BENCH_OUT/akv_decode_bench.json``.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,39 +35,52 @@ FLOOR_US_PER_1K = 30.7
 GOAL_RATIO = 1.10
 COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--host", "127.0.0.1", "--attention-backend", "flashinfer",
           "--page-size", "1", "--chunked-prefill-size", "16384", "--cuda-graph-max-bs", "16",
-          "--enable-cache-report", "--context-length", "262144", "--max-running-requests", "64"]
+          "--disable-prefill-cuda-graph", "--enable-cache-report", "--context-length", "262144",
+          "--max-running-requests", "64", "--max-total-tokens", "300000", "--mem-fraction-static", "0.85"]
 
 
-def stream(url: str, body: dict[str, Any], tokens: int) -> dict[str, float]:
-    """Time to first token and time per output token after it, from one streamed request."""
+def stream(url: str, body: dict[str, Any], tokens: int) -> list[float]:
+    """Arrival times of one streamed request's output chunks (one per token at SGLang's default
+    stream interval)."""
     full = {"model": "default", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "tools": TOOLS, **body}
+            "tools": TOOLS, **body}
     request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(full).encode(),
                                      headers={"Content-Type": "application/json"})
-    started, first, end, generated = time.perf_counter(), None, None, 0
+    stamps = []
     with urllib.request.urlopen(request, timeout=900) as response:
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                end, generated = time.perf_counter(), chunk["usage"]["completion_tokens"]
-    if first is None or end is None or generated < 2:
-        raise RuntimeError(f"stream gave no timing (first {first}, usage {generated})")
-    return {"ttft_s": first - started, "tpot_ms": 1e3 * (end - first) / (generated - 1)}
+            if "error" in chunk:
+                raise RuntimeError(f"server error: {json.dumps(chunk)[:400]}")
+            if chunk.get("choices"):
+                stamps.append(time.perf_counter())
+    if len(stamps) < tokens // 2:
+        raise RuntimeError(f"stream gave {len(stamps)} chunks for {tokens} tokens")
+    return stamps
+
+
+def step_time_ms(runs: list[list[float]]) -> float:
+    """Median time per decode step while all requests were decoding together: the window from the
+    last request's first chunk to the first request's last one, divided by each request's chunks
+    inside it."""
+    lo, hi = max(r[0] for r in runs), min(r[-1] for r in runs)
+    per = [(hi - lo) / (sum(lo <= t <= hi for t in r) - 1) for r in runs if sum(lo <= t <= hi for t in r) > 8]
+    if not per:
+        raise RuntimeError("the requests never decoded together")
+    return 1e3 * statistics.median(per)
 
 
 def decode_runs(url: str, body: dict[str, Any], batches: list[int], tokens: int) -> dict[str, Any]:
-    warm = stream(url, body, 4)
-    out: dict[str, Any] = {"warm_ttft_s": warm["ttft_s"]}
+    started = time.perf_counter()
+    stream(url, body, 4)
+    out: dict[str, Any] = {"warm_s": time.perf_counter() - started}
     for b in batches:
         with ThreadPoolExecutor(b) as pool:
             runs = list(pool.map(lambda _: stream(url, body, tokens), range(b)))
-        out[str(b)] = {"tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
-                       "tpot_ms_max": max(r["tpot_ms"] for r in runs)}
+        out[str(b)] = {"step_ms": step_time_ms(runs)}
         print(f"  B={b}: {out[str(b)]}", flush=True)
     return out
 
@@ -96,8 +110,8 @@ def burst(url: str, tokenizer: Any, n: int, tokens: int) -> float:
         bodies.append({"messages": conv.messages})
     started = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
-        list(pool.map(lambda body: stream(url, body, tokens), bodies))
-    return n * tokens / (time.perf_counter() - started)
+        runs = list(pool.map(lambda body: stream(url, body, tokens), bodies))
+    return sum(map(len, runs)) / (time.perf_counter() - started)
 
 
 def main() -> int:
@@ -107,53 +121,59 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "akv_decode_bench.json")
     parser.add_argument("--live", default=os.environ.get("AKV_DECODE_LIVE", "32768 131072"))
     parser.add_argument("--batches", default=os.environ.get("AKV_DECODE_BATCHES", "1 8 16"))
-    parser.add_argument("--tokens", type=int, default=int(os.environ.get("AKV_DECODE_TOKENS", "128")))
+    parser.add_argument("--tokens", type=int, default=int(os.environ.get("AKV_DECODE_TOKENS", "256")))
     args = parser.parse_args()
     if not (args.stock_site / "sglang").is_dir():
         args.stock_site.mkdir(parents=True, exist_ok=True)
         subprocess.run(f"xz -T0 -dc {ROOT / '.devkit' / 'site-py312.tar.xz'} | tar -x -C {args.stock_site}",
                        shell=True, check=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    logs = args.out.parent
-    patched = Server("patched", [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(args.model),
-                                 *COMMON, "--max-total-tokens", "300000", "--mem-fraction-static", "0.52"],
-                     env, 30020, logs / "server-decode-patched.log")
-    stock = Server("stock", [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), *COMMON,
-                             "--max-total-tokens", "150000", "--mem-fraction-static", "0.32"],
-                   {**env, "PYTHONPATH": str(args.stock_site)}, 30021, logs / "server-decode-stock.log")
     batches = [int(b) for b in args.batches.split()]
+    lives = [int(x) for x in args.live.split()]
+    cases = [case(tokenizer, live, 500 + i) for i, live in enumerate(lives)]
+    sides = {
+        "patched": ([sys.executable, "-m", "akv.system.launch_server"], {}),
+        "stock": ([sys.executable, "-m", "sglang.launch_server"], {"PYTHONPATH": str(args.stock_site)}),
+    }
     report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON, "goal_ratio": GOAL_RATIO,
-                              "floor_us_per_1k_live_tokens": FLOOR_US_PER_1K, "cases": {}}
+                              "floor_us_per_1k_live_tokens": FLOOR_US_PER_1K, "sides": {}}
     started = time.time()
     try:
-        patched.wait(480)
-        stock.wait(480)
-        report["startup_s"] = round(time.time() - started, 1)
-        for i, live in enumerate(int(x) for x in args.live.split()):
-            akv_body, stock_body, n_live = case(tokenizer, live, 500 + i)
-            print(f"live {live}: {n_live} live prompt tokens", flush=True)
-            print(" patched", flush=True)
-            mine = decode_runs(patched.url, akv_body, batches, args.tokens)
-            print(" stock", flush=True)
-            base = decode_runs(stock.url, stock_body, batches, args.tokens)
-            report["cases"][str(live)] = {
-                "live_prompt_tokens": n_live, "patched": mine, "stock_live_only": base,
-                "ratio": {b: mine[b]["tpot_ms"] / base[b]["tpot_ms"] for b in map(str, batches)},
-                "attention_floor_ms": {b: int(b) * n_live / 1000 * FLOOR_US_PER_1K / 1000 for b in map(str, batches)},
-            }
-            print(json.dumps(report["cases"][str(live)]["ratio"]), flush=True)
-        report["plain_burst_tokens_per_s"] = {"patched": burst(patched.url, tokenizer, 16, 256),
-                                              "stock": burst(stock.url, tokenizer, 16, 256)}
-        b = report["plain_burst_tokens_per_s"]
-        b["ratio"] = b["patched"] / b["stock"]
-        print("burst", json.dumps(b), flush=True)
+        for side, (launcher, extra_env) in sides.items():  # one at a time: each gets the whole GPU
+            server = Server(side, [*launcher, "--model-path", str(args.model), *COMMON],
+                            {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}, 30020,
+                            args.out.parent / f"server-decode-{side}.log")
+            result: dict[str, Any] = {}
+            try:
+                server.wait(300)
+                result["startup_s"] = round(time.time() - started, 1)
+                for live, (akv_body, stock_body, n_live) in zip(lives, cases):
+                    print(f"{side}: live {live} ({n_live} live prompt tokens)", flush=True)
+                    result[str(live)] = decode_runs(server.url, akv_body if side == "patched" else stock_body,
+                                                    batches, args.tokens)
+                result["plain_burst_tokens_per_s"] = burst(server.url, tokenizer, 16, 128)
+            except Exception as exc:  # noqa: BLE001 - keep what was measured
+                result["error"] = f"{type(exc).__name__}: {exc}"
+                print(side, result["error"], flush=True)
+            finally:
+                server.stop()
+            report["sides"][side] = result
+            args.out.write_text(json.dumps(report, indent=2))
+        mine, base = report["sides"]["patched"], report["sides"]["stock"]
+        report["cases"] = {
+            str(live): {"live_prompt_tokens": n_live,
+                        "ratio": {str(b): mine[str(live)][str(b)]["step_ms"] / base[str(live)][str(b)]["step_ms"]
+                                  for b in batches if str(b) in mine.get(str(live), {}) and str(b) in base.get(str(live), {})},
+                        "attention_floor_ms": {str(b): b * n_live / 1000 * FLOOR_US_PER_1K / 1000 for b in batches}}
+            for live, (_, _, n_live) in zip(lives, cases)}
+        if "plain_burst_tokens_per_s" in mine and "plain_burst_tokens_per_s" in base:
+            report["plain_burst_ratio"] = mine["plain_burst_tokens_per_s"] / base["plain_burst_tokens_per_s"]
+        print(json.dumps({k: report.get(k) for k in ("cases", "plain_burst_ratio")}), flush=True)
     finally:
-        patched.stop()
-        stock.stop()
         report["total_s"] = round(time.time() - started, 1)
         args.out.write_text(json.dumps(report, indent=2))
-    return 0
+    return 0 if all("error" not in r for r in report["sides"].values()) else 1
 
 
 if __name__ == "__main__":
