@@ -99,7 +99,7 @@ def test_truncated_or_extended_bytes_are_rejected() -> None:
     [
         (0, b"XKVP", "magic: b'XKVP'"),
         (1, 2, "version: 2 is not supported"),
-        (2, 1, "flags: 1 must be 0"),
+        (2, 2, "flags: 2 must be 0 or 1"),
         (4, 13, "n_prompt: 13 exceeds n_tokens 12"),
         (9, -1, r"program: token_ids\[0\]: negative value -1"),
         (20, -5, r"program: token_ids\[1\]: negative value -5"),
