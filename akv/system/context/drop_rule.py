@@ -204,9 +204,8 @@ def _text_selection(entry: Any, message: Mapping[str, Any], field: str, index: i
     budget.text_bytes += len(content.encode("utf-8", "surrogatepass"))
     if budget.text_bytes > MAX_TEXT_BYTES:
         raise RuleSizeError(field, budget.text_bytes, f"{budget.text_bytes} content bytes searched, at most {MAX_TEXT_BYTES}")
-    ranges = []
-    for j, (pattern, occurrence) in enumerate(zip(patterns, occurrences)):
-        item = f"{field}.content" if single else f"{field}.content[{j}]"
+    items = [f"{field}.content" if single else f"{field}.content[{j}]" for j in range(len(patterns))]
+    for item, pattern, occurrence in zip(items, patterns, occurrences):
         if not isinstance(pattern, str) or not pattern:
             raise RuleShapeError(item, _short(pattern), "a selector must be a non-empty string")
         budget.pattern_bytes += len(pattern.encode("utf-8", "surrogatepass"))
@@ -215,6 +214,8 @@ def _text_selection(entry: Any, message: Mapping[str, Any], field: str, index: i
         budget.matches += occurrence
         if budget.matches > MAX_MATCHES:
             raise RuleSizeError(item, budget.matches, f"{budget.matches} matches to find, at most {MAX_MATCHES}")
+    ranges = []
+    for item, pattern, occurrence in zip(items, patterns, occurrences):
         start = nth_occurrence(content, pattern, occurrence)
         if start < 0:
             raise RuleRangeError(item, _short(pattern, 80),

@@ -19,7 +19,7 @@ from akv.system.context.compiler import TokenDrop
 from akv.system.context.drop_rule import KeepTextDrop, RequestRules, merge_spans
 from akv.system.context.provenance import TokenProvenance
 from akv.system.context.rules import RuleError, RuleShapeError, parse_rules
-from akv.system.context.spans import locate, message_tokens, tokens_inside
+from akv.system.context.spans import Render, content_starts, message_tokens, tokens_inside
 
 _FINGERPRINT = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id", "name")}
 
@@ -74,11 +74,14 @@ def resolve_keep_text(
     return full, RequestRules(parse_rules(None, reposition, len(full)), projection)
 
 
-def projection_drops(provenance: TokenProvenance, full: Sequence[Mapping[str, Any]], projection: Projection
-                     ) -> tuple[TokenDrop, ...]:
+def projection_drops(provenance: TokenProvenance, full: Sequence[Mapping[str, Any]], projection: Projection,
+                     render: Render) -> tuple[TokenDrop, ...]:
     """The one drop, after the last full message, hiding all that was not kept."""
     ranges: list[tuple[int, int]] = []
     touched = []
+    partial = [i for i, span in enumerate(projection.kept)
+               if span is not None and span != (0, len(full[i].get("content") or ""))]
+    starts = content_starts(render, full, partial, provenance.text)
     for i, span in enumerate(projection.kept):
         content = full[i].get("content") or ""
         if span is None:
@@ -86,7 +89,7 @@ def projection_drops(provenance: TokenProvenance, full: Sequence[Mapping[str, An
         elif span == (0, len(content)):
             continue
         else:
-            base = locate(provenance, i, content, "content")
+            base = starts[i]
             cut = [(base, base + span[0]), (base + span[1], base + len(content))]
             found = list(tokens_inside(provenance, cut, i))
         found = [r for r in found if r[0] < r[1]]

@@ -10,9 +10,9 @@ from akv.system.context.compiler import compile_program, compile_token_drops, me
 from akv.system.context.drop_rule import KeepTextDrop, RequestRules, TextDrop, ThinkingDrop, parse_request_rules
 from akv.system.context.program import ContextProgram
 from akv.system.context.projection import Projection, projection_drops, resolve_keep_text
-from akv.system.context.provenance import TokenProvenance, prompt_provenance
+from akv.system.context.provenance import TokenProvenance, chat_template, prompt_provenance
 from akv.system.context.rules import ContextRules
-from akv.system.context.spans import text_drops
+from akv.system.context.spans import Render, text_drops
 from akv.system.context.thinking import retain_thinking, thinking_drops
 
 
@@ -43,19 +43,20 @@ def template_for(rules: RequestRules, template: str) -> str:
     return retain_thinking(template) if isinstance(rules.span, ThinkingDrop) else template
 
 
-def compile_rules(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]], rules: RequestRules
-                  ) -> ContextProgram:
-    """The program of a rendered request; ``messages`` are the ones rendered."""
+def compile_rules(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]], rules: RequestRules,
+                  render: Render) -> ContextProgram:
+    """The program of a rendered request; ``messages`` are the ones rendered and ``render`` renders
+    messages as they were (it places text spans)."""
     n = len(messages)
     span = rules.span
     if span is None:
         return compile_program(provenance.token_ids, provenance.owners, rules.rules, n)
     if isinstance(span, TextDrop):
-        drops = text_drops(provenance, messages, span)
+        drops = text_drops(provenance, messages, span, render)
     elif isinstance(span, ThinkingDrop):
         drops = thinking_drops(provenance, messages)
     elif isinstance(span, Projection):
-        drops = projection_drops(provenance, messages, span)
+        drops = projection_drops(provenance, messages, span, render)
     else:
         raise TypeError(f"rules.span: {type(span).__name__} is not resolved; call render_inputs first")
     drops = message_drops(provenance.owners, rules.rules) + drops
@@ -90,5 +91,11 @@ def compile_request(
         tokenizer, rendered, tools=tools, add_generation_prompt=add_generation_prompt, template=source,
         **template_variables,
     )
-    program = compile_rules(provenance, rendered, rules)
+    context = {**getattr(tokenizer, "special_tokens_map", {}), **template_variables}
+
+    def render(variant: Sequence[Mapping[str, Any]]) -> str:
+        return chat_template(source).render(variant, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            **context)
+
+    program = compile_rules(provenance, rendered, rules, render)
     return CompiledRequest(rules=rules.rules, provenance=provenance, program=program)

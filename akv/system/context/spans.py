@@ -1,14 +1,17 @@
 """Character spans of a rendered prompt -> the tokens they hold (text drops at token granularity).
 
-A message's content is found verbatim inside the characters its tokens cover; a span of it maps to
-the tokens lying wholly inside the span (a token straddling the span's edge is kept). Anything that
-would need a guess (content rendered changed, or found more than once in its message's rendering)
+Where a message's content lies in the prompt is measured, not searched for: the template is rendered
+once more with a private-use sentinel appended to each content that must be placed, and the result
+must be the prompt with only the sentinels inserted, each right after a verbatim copy of its content.
+A span of the content maps to the tokens lying wholly inside it (a token straddling the span's edge is
+kept). Anything else (content rewritten by the template, a template that reacts to the sentinel)
 raises :class:`SpanError` naming the message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +19,12 @@ import numpy as np
 from akv.system.context.compiler import TokenDrop
 from akv.system.context.drop_rule import TextDrop, merge_spans
 from akv.system.context.provenance import ProvenanceError, TokenProvenance
+
+
+Render = Callable[[Sequence[Mapping[str, Any]]], str]
+"""Renders messages exactly as the prompt was rendered (same template, tools and variables)."""
+
+_SENTINEL = re.compile("\ue000([0-9]+)\ue001")
 
 
 class SpanError(ProvenanceError):
@@ -36,18 +45,31 @@ def message_text(provenance: TokenProvenance, message: int) -> tuple[int, int]:
     return int(provenance.offsets[start, 0]), int(provenance.offsets[end - 1, 1])
 
 
-def locate(provenance: TokenProvenance, message: int, piece: str, what: str) -> int:
-    """Start, in the rendered text, of the one verbatim occurrence of ``piece`` in ``message``'s rendering."""
-    lo, hi = message_text(provenance, message)
-    region = provenance.text[lo:hi]
-    first = region.find(piece)
-    if first < 0:
-        raise SpanError(f"messages[{message}].{what}: not rendered verbatim by the chat template, so its "
-                        "characters cannot be placed")
-    if region.find(piece, first + 1) >= 0:
-        raise SpanError(f"messages[{message}].{what}: occurs more than once in the message's rendering, so its "
-                        "characters cannot be placed")
-    return lo + first
+def content_starts(render: Render, messages: Sequence[Mapping[str, Any]], indices: Sequence[int], text: str
+                   ) -> dict[int, int]:
+    """Start, in the rendered ``text``, of the content of each message in ``indices``."""
+    if not indices:
+        return {}
+    marked = [dict(m) for m in messages]
+    for i in indices:
+        marked[i]["content"] = f"{messages[i]['content']}\ue000{i}\ue001"
+    variant = render(marked)
+    ends: dict[int, int] = {}
+    removed = 0
+    for match in _SENTINEL.finditer(variant):
+        i = int(match.group(1))
+        if i in ends or i not in indices:
+            raise SpanError(f"messages[{i}].content: the chat template renders it more than once")
+        ends[i] = match.start() - removed
+        removed += match.end() - match.start()
+    starts = {}
+    for i in indices:
+        content = messages[i]["content"]
+        if i not in ends or _SENTINEL.sub("", variant) != text or text[ends[i] - len(content) : ends[i]] != content:
+            raise SpanError(f"messages[{i}].content: not rendered verbatim by the chat template, so its "
+                            "characters cannot be placed")
+        starts[i] = ends[i] - len(content)
+    return starts
 
 
 def tokens_inside(provenance: TokenProvenance, spans: Sequence[tuple[int, int]], message: int
@@ -65,17 +87,18 @@ def tokens_inside(provenance: TokenProvenance, spans: Sequence[tuple[int, int]],
     return merge_spans(out)
 
 
-def text_drops(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]], rule: TextDrop
+def text_drops(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]], rule: TextDrop, render: Render
                ) -> tuple[TokenDrop, ...]:
     """The one drop a ``text_drop`` rule makes (none when it selects no whole token)."""
     ranges: list[tuple[int, int]] = []
     touched = []
+    starts = content_starts(render, messages, [s.message for s in rule.selections if not s.whole], provenance.text)
     for selection in rule.selections:
         i = selection.message
         if selection.whole:
             found = [message_tokens(provenance, i)]
         else:
-            base = locate(provenance, i, messages[i]["content"], "content")
+            base = starts[i]
             found = list(tokens_inside(provenance, [(base + s, base + e) for s, e in selection.ranges], i))
         found = [r for r in found if r[0] < r[1]]
         if found:

@@ -85,10 +85,11 @@ class Engine:
         try:
             source = template_for(request.rules, self.files.chat_template)
             template = self.template if source == self.files.chat_template else chat_template(source)
-            owned = template.render_owned(messages, tools=list(request.tools) or None,
-                                          add_generation_prompt=True, **request.template_kwargs)
+            tools = list(request.tools) or None
+            owned = template.render_owned(messages, tools=tools, add_generation_prompt=True, **request.template_kwargs)
             provenance = token_provenance(owned, self.files.tokenizer)
-            program = compile_rules(provenance, messages, request.rules)
+            program = compile_rules(provenance, messages, request.rules, lambda variant: template.render(
+                variant, tools=tools, add_generation_prompt=True, **request.template_kwargs))
         except SpanError as exc:
             raise RequestError("drop_rule", _type_of(request), f"cannot place the drop_rule: {exc}") from exc
         except ProgramError as exc:
