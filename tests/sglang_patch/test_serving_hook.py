@@ -11,6 +11,7 @@ from akv.system.adapter.serving import (
     compile_context_program,
     prepare_context_request,
 )
+from akv.system.context.drop_rule import RequestRules
 from akv.system.context.rules import ContextRules, Drop
 
 MESSAGES = [{"role": "user", "content": str(i)} for i in range(4)]
@@ -36,7 +37,7 @@ def _request(**fields: object) -> SimpleNamespace:
 
 def test_context_request_yields_its_rules() -> None:
     rules = prepare_context_request(_serving(), _request(drop_message={"2": [0, 1]}, reposition=[2, 3]), False)
-    assert rules == ContextRules(drops=(Drop(anchor=2, messages=(0, 1)),), repositions=(2, 3))
+    assert rules == RequestRules(ContextRules(drops=(Drop(anchor=2, messages=(0, 1)),), repositions=(2, 3)))
 
 
 @pytest.mark.parametrize("drop_message", [None, {}])

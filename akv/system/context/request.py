@@ -84,11 +84,26 @@ def compile_request(
     rules = parse_request_rules(drop_message, drop_rule, reposition, messages)
     full = list(rules.span.full_messages) if isinstance(rules.span, KeepTextDrop) else None
     rendered, rules = render_inputs(messages, rules, full, reposition)
+    return compile_parsed(tokenizer, rendered, rules, tools=tools, add_generation_prompt=add_generation_prompt,
+                          template=template, **template_variables)
+
+
+def compile_parsed(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    rules: RequestRules,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+    **template_variables: Any,
+) -> CompiledRequest:
+    """Render ``messages`` (what :func:`render_inputs` chose) with provenance and compile ``rules``."""
     source = template if template is not None else getattr(tokenizer, "chat_template", None)
     if isinstance(source, str):
         source = template_for(rules, source)
     provenance = prompt_provenance(
-        tokenizer, rendered, tools=tools, add_generation_prompt=add_generation_prompt, template=source,
+        tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt, template=source,
         **template_variables,
     )
     context = {**getattr(tokenizer, "special_tokens_map", {}), **template_variables}
@@ -97,5 +112,5 @@ def compile_request(
         return chat_template(source).render(variant, tools=tools, add_generation_prompt=add_generation_prompt,
                                             **context)
 
-    program = compile_rules(provenance, rendered, rules, render)
+    program = compile_rules(provenance, messages, rules, render)
     return CompiledRequest(rules=rules.rules, provenance=provenance, program=program)
