@@ -18,6 +18,7 @@ from akv.system.context.projection import ProjectionError, project
 from akv.system.context.provenance import prompt_provenance
 from akv.system.context.request import compile_request, compile_rules
 from akv.system.context.spans import SpanError
+from akv.system.context.rules import RuleError
 from akv.system.context.thinking import ThinkingError, retain_thinking
 from akv.system.context.wire import decode_program, encode_program
 
@@ -248,3 +249,39 @@ def test_keep_text_drop_mismatch_fails_or_forces(bytes_tokenizer: Tokenizer) -> 
     forced = compile_request(bytes_tokenizer, visible, template=ANGLE,
                              drop_rule={"type": "keep_text_drop", "full_messages": FULL, "force": True})
     assert forced.program.events == () and forced.provenance.text.endswith("<user>not there<assistant>")
+
+
+SCHEDULED = [*THOUGHT, {"role": "assistant", "content": "<think>x</think>B"}, {"role": "user", "content": "last"}]
+
+
+def test_scheduled_thinking_and_whole_drops_share_one_drop_per_anchor(bytes_tokenizer: Tokenizer) -> None:
+    # Message 1 is 7..40 (its block 18..39), message 2 "<user>next" 40..50, message 3 50..78, message 4 78..88.
+    rule = {"type": "thinking_drop", "thinking": {"2": [1]}, "drop_messages": {"4": [1, 2]}}
+    program = compile_request(bytes_tokenizer, SCHEDULED, drop_rule=rule, template=ANGLE).program
+    assert drops(program) == [(50, 2, (1,), ((18, 39),)), (88, 4, (1, 2), ((7, 18), (39, 50)))]
+    assert np.flatnonzero(~program.keep).tolist() == list(range(7, 50))
+    none = compile_request(bytes_tokenizer, SCHEDULED, drop_rule={"type": "thinking_drop", "thinking": {}},
+                           template=ANGLE).program
+    assert none.events == ()
+
+
+@pytest.mark.parametrize(
+    ("rule", "error", "needle"),
+    [
+        ({"type": "thinking_drop", "thinking": {"2": [2]}}, RuleError, r"drop_rule.thinking\['2'\]\[0\]: message 2 is a user"),
+        ({"type": "thinking_drop", "thinking": {"4": [1]}, "drop_messages": {"2": [1]}}, RuleError,
+         r"drop_rule.thinking\['4'\]\[0\]: message 1 is dropped whole by anchor 2"),
+        ({"type": "thinking_drop", "thinking": {"2": [3]}}, RuleError, r"drop_rule.thinking\['2'\]\[0\]: message 3 is after"),
+        ({"type": "thinking_drop", "thinking": [1]}, RuleError, "drop_rule.thinking: expected an object"),
+    ],
+)
+def test_bad_thinking_schedules(bytes_tokenizer: Tokenizer, rule: dict, error: type, needle: str) -> None:
+    with pytest.raises(error, match=needle):
+        compile_request(bytes_tokenizer, SCHEDULED, drop_rule=rule, template=ANGLE)
+
+
+def test_scheduled_message_without_reasoning_is_refused(bytes_tokenizer: Tokenizer) -> None:
+    plain = [*OLD, {"role": "assistant", "content": "no thoughts"}, {"role": "user", "content": "x"}]
+    with pytest.raises(ThinkingError, match=r"messages\[1\]: has no reasoning to drop"):
+        compile_request(bytes_tokenizer, plain, drop_rule={"type": "thinking_drop", "thinking": {"2": [1]}},
+                        template=ANGLE)

@@ -101,6 +101,48 @@ def append_generated(program: ContextProgram, token_ids: Any) -> ContextProgram:
     )
 
 
+def merge_drops(drops: Sequence[TokenDrop]) -> tuple[TokenDrop, ...]:
+    """One drop per anchor, in anchor order: its ranges united, less the tokens an earlier anchor
+    already hides (a message whose reasoning went earlier can still be dropped whole later)."""
+    by_anchor: dict[int, list[TokenDrop]] = {}
+    for drop in drops:
+        by_anchor.setdefault(drop.anchor, []).append(drop)
+    hidden: list[tuple[int, int]] = []
+    out = []
+    for anchor in sorted(by_anchor):
+        group = by_anchor[anchor]
+        ranges = _subtract(_union([r for d in group for r in d.ranges]), hidden)
+        hidden = list(_union(hidden + list(ranges)))
+        out.append(TokenDrop(anchor, tuple(sorted({m for d in group for m in d.messages})), ranges))
+    return tuple(out)
+
+
+def _union(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[list[int]] = []
+    for s, e in sorted(ranges):
+        if s >= e:
+            continue
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return tuple((s, e) for s, e in merged)
+
+
+def _subtract(ranges: tuple[tuple[int, int], ...], hidden: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for s, e in ranges:
+        for hs, he in hidden:
+            if he <= s or hs >= e:
+                continue
+            if hs > s:
+                out.append((s, hs))
+            s = max(s, he)
+        if s < e:
+            out.append((s, e))
+    return _union(out)
+
+
 def _token_vectors(token_ids: Any, owners: Any, n_messages: int) -> tuple[np.ndarray, np.ndarray]:
     ids = _int_vector(token_ids, "token_ids")
     own = _int_vector(owners, "owners")

@@ -9,7 +9,10 @@ Shapes (``type`` selects one; unknown keys and keys starting with ``_`` are refu
   counted, default 1), all dropped after the latest user message.
 - ``{"type": "keep_text_drop", "full_messages": [...], "force": false}``: ``messages`` is a visible
   projection of ``full_messages`` (see :mod:`akv.system.context.projection`).
-- ``{"type": "thinking_drop"}``: each assistant message's reasoning is dropped right after it.
+- ``{"type": "thinking_drop"}``: each assistant message's reasoning is dropped right after it; with
+  ``"thinking": {"9": [2, 5]}`` only as scheduled (after message 9, the reasoning of assistant
+  messages 2 and 5; ``{}`` drops none), and ``"drop_messages"`` adds whole-message drops as
+  ``drop_message`` does (a message whose reasoning was dropped may later be dropped whole).
 
 Every failure raises a :class:`~akv.system.context.rules.RuleError` naming the field
 (``drop_rule.drop_messages[3].content[1]``) and the value; sizes are bounded by the ``MAX_*`` limits.
@@ -23,6 +26,8 @@ from typing import Any, Union
 
 from akv.system.context.rules import (
     ContextRules,
+    DoubleDropError,
+    Drop,
     RuleError,
     RuleRangeError,
     RuleShapeError,
@@ -43,7 +48,7 @@ _KEYS = {
     "message_drop": {"type", "drop_messages"},
     "text_drop": {"type", "drop_messages"},
     "keep_text_drop": {"type", "full_messages", "force"},
-    "thinking_drop": {"type"},
+    "thinking_drop": {"type", "thinking", "drop_messages"},
 }
 
 
@@ -80,7 +85,10 @@ class KeepTextDrop:
 
 @dataclass(frozen=True)
 class ThinkingDrop:
-    """Drop each assistant message's reasoning right after that message."""
+    """Drop assistant reasoning: by ``schedule`` (anchor, assistant ids), or, when None, each
+    message's right after it."""
+
+    schedule: tuple[Drop, ...] | None = None
 
 
 SpanRule = Union[TextDrop, KeepTextDrop, ThinkingDrop]
@@ -118,29 +126,48 @@ def parse_request_rules(
             why = "is reserved" if isinstance(key, str) and key.startswith("_") else f"is not a {kind} field"
             raise RuleShapeError(f"drop_rule.{key}", None, f"key {key!r} {why}")
     if kind == "message_drop":
-        return RequestRules(_message_drop(drop_rule.get("drop_messages"), reposition, len(messages)))
+        if drop_rule.get("drop_messages") is None:
+            raise RuleShapeError("drop_rule.drop_messages", None, "message_drop needs drop_messages")
+        return RequestRules(_renamed(drop_rule["drop_messages"], reposition, len(messages), "drop_rule.drop_messages"))
+    if kind == "thinking_drop":
+        whole = _renamed(drop_rule.get("drop_messages"), reposition, len(messages), "drop_rule.drop_messages")
+        if "thinking" not in drop_rule:
+            return RequestRules(whole, ThinkingDrop())
+        return RequestRules(whole, ThinkingDrop(_thinking_schedule(drop_rule["thinking"], messages, whole)))
     rules = parse_rules(None, reposition, len(messages))
     if kind == "text_drop":
         return RequestRules(rules, _text_drop(drop_rule.get("drop_messages"), messages))
-    if kind == "keep_text_drop":
-        return RequestRules(rules, _keep_text_drop(drop_rule))
-    return RequestRules(rules, ThinkingDrop())
+    return RequestRules(rules, _keep_text_drop(drop_rule))
 
 
 def _type_of(drop_rule: Any) -> Any:
     return drop_rule.get("type") if isinstance(drop_rule, Mapping) else drop_rule
 
 
-def _message_drop(drop_messages: Any, reposition: Any, n_messages: int) -> ContextRules:
-    if drop_messages is None:
-        raise RuleShapeError("drop_rule.drop_messages", None, "message_drop needs drop_messages")
+def _renamed(drop_messages: Any, reposition: Any, n_messages: int, field: str) -> ContextRules:
+    """``parse_rules`` with errors naming ``field`` instead of ``drop_message``."""
     try:
         return parse_rules(drop_messages, reposition, n_messages)
     except RuleError as exc:
         if not exc.field.startswith("drop_message"):
             raise
-        field = "drop_rule.drop_messages" + exc.field[len("drop_message"):]
-        raise type(exc)(field, exc.value, str(exc).split(": ", 1)[1]) from exc
+        raise type(exc)(field + exc.field[len("drop_message"):], exc.value, str(exc).split(": ", 1)[1]) from exc
+
+
+def _thinking_schedule(value: Any, messages: Sequence[Mapping[str, Any]], whole: ContextRules) -> tuple[Drop, ...]:
+    if not isinstance(value, Mapping):
+        raise RuleShapeError("drop_rule.thinking", _short(value), f"expected an object, got {type(value).__name__}")
+    schedule = _renamed(value, None, len(messages), "drop_rule.thinking").drops
+    dropped_at = {m: d.anchor for d in whole.drops for m in d.messages}
+    for drop in schedule:
+        for k, i in enumerate(drop.messages):
+            field = f"drop_rule.thinking[{str(drop.anchor)!r}][{k}]"
+            role = messages[i].get("role")
+            if role != "assistant":
+                raise RuleShapeError(field, i, f"message {i} is a {role} message; only assistant reasoning drops")
+            if dropped_at.get(i, drop.anchor + 1) <= drop.anchor:
+                raise DoubleDropError(field, i, f"message {i} is dropped whole by anchor {dropped_at[i]} already")
+    return schedule
 
 
 def _text_drop(entries: Any, messages: Sequence[Mapping[str, Any]]) -> TextDrop:

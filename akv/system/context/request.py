@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from akv.system.context.compiler import compile_program, compile_token_drops, message_drops
+from akv.system.context.compiler import compile_program, compile_token_drops, merge_drops, message_drops
 from akv.system.context.drop_rule import KeepTextDrop, RequestRules, TextDrop, ThinkingDrop, parse_request_rules
 from akv.system.context.program import ContextProgram
 from akv.system.context.projection import Projection, projection_drops, resolve_keep_text
@@ -54,12 +54,12 @@ def compile_rules(provenance: TokenProvenance, messages: Sequence[Mapping[str, A
     if isinstance(span, TextDrop):
         drops = text_drops(provenance, messages, span, render)
     elif isinstance(span, ThinkingDrop):
-        drops = thinking_drops(provenance, messages)
+        drops = thinking_drops(provenance, messages, span.schedule)
     elif isinstance(span, Projection):
         drops = projection_drops(provenance, messages, span, render)
     else:
         raise TypeError(f"rules.span: {type(span).__name__} is not resolved; call render_inputs first")
-    drops = message_drops(provenance.owners, rules.rules) + drops
+    drops = merge_drops(message_drops(provenance.owners, rules.rules) + drops)
     return compile_token_drops(provenance.token_ids, provenance.owners, drops, rules.rules.repositions, n)
 
 

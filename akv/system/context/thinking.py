@@ -1,4 +1,4 @@
-"""``thinking_drop``: each assistant message's reasoning is dropped right after that message.
+"""``thinking_drop``: assistant reasoning is dropped, by default right after each message.
 
 A message's reasoning is its ``reasoning_content`` or a single leading ``<think>…</think>`` block of
 its content (not both, no nesting). The dropped tokens are those wholly inside the rendered block:
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from akv.system.context.compiler import TokenDrop
+from akv.system.context.rules import Drop
 from akv.system.context.provenance import TokenProvenance
 from akv.system.context.spans import SpanError, message_text, tokens_inside
 
@@ -52,17 +53,23 @@ def reasoning(message: Mapping[str, Any], index: int) -> str | None:
     return body[:end]
 
 
-def thinking_drops(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]]) -> tuple[TokenDrop, ...]:
-    """One drop per assistant message with reasoning, anchored at that message."""
+def thinking_drops(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]],
+                   schedule: Sequence[Drop] | None = None) -> tuple[TokenDrop, ...]:
+    """The reasoning drops: by ``schedule`` (after each anchor, the reasoning of its listed assistant
+    messages), or, without one, each assistant message's reasoning right after that message."""
+    if schedule is None:
+        schedule = [Drop(i, (i,)) for i, m in enumerate(messages) if reasoning(m, i) is not None]
     drops = []
-    for i, message in enumerate(messages):
-        thought = reasoning(message, i)
-        if thought is None:
-            continue
-        start, end = _block(provenance, i, thought)
-        ranges = tokens_inside(provenance, [(start, end)], i)
+    for drop in schedule:
+        ranges: list[tuple[int, int]] = []
+        for i in drop.messages:
+            thought = reasoning(messages[i], i)
+            if thought is None:
+                raise ThinkingError(f"messages[{i}]: has no reasoning to drop (no reasoning_content, no leading {OPEN})")
+            start, end = _block(provenance, i, thought)
+            ranges.extend(tokens_inside(provenance, [(start, end)], i))
         if ranges:
-            drops.append(TokenDrop(i, (i,), ranges))
+            drops.append(TokenDrop(drop.anchor, drop.messages, tuple(sorted(ranges))))
     return tuple(drops)
 
 
