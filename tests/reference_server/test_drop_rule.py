@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from akv.agent import CachePolicy, TurnSelection, TurnTrigger, keep_text_payload
 from akv.agent.templating import template_messages
 from akv.system.context.compiler import append_generated
 from akv.system.context.request import compile_request
@@ -148,6 +149,41 @@ def test_keep_text_drop_partial_message_and_forced_fallback(served: Any, oracle_
     assert generated(reply) == generated(plain)
     assert reply["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     assert set(reply["usage"]["prompt_tokens_details"]) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens"}
+
+
+def thinking_call(i: int) -> dict[str, Any]:
+    return {"role": "assistant", "content": f"<think>record {i} is next</think>\n\n",
+            "tool_calls": [{**CALL, "id": f"c{i}"}]}
+
+
+def test_policy_reasoning_schedule_is_served_as_the_oracle_computes(served: Any, oracle_model: ReferenceModel
+                                                                    ) -> None:
+    messages = [AGENT[0], AGENT[1]]
+    for i in range(3):
+        messages += [thinking_call(i), {"role": "tool", "tool_call_id": f"c{i}", "content": f"record {i}: crates"}]
+    policy = CachePolicy(trigger=TurnTrigger(), selector=TurnSelection(2), keep_thinking_turns=1)
+    served.engine.cache.flush()
+    history = None
+    for n in (4, 6, 8):
+        body, history = policy.process({"model": MODEL_NAME, "messages": messages[:n], "max_tokens": 6,
+                                        "logprobs": True}, history)
+        status, reply = post(served.url, body)
+        assert status == 200, reply
+    assert body["drop_rule"]["thinking"] == {"5": [2], "7": [4]}
+    fields = {k: body[k] for k in ("drop_rule", "reposition") if k in body}
+    compiled = assert_oracle_agrees(served.model_dir, oracle_model, reply, messages, **fields)
+    assert reply["usage"]["prompt_tokens_details"]["drop_skipped_tokens"] == int((~compiled.program.keep).sum()) > 0
+
+
+def test_keep_text_payload_is_served_from_the_full_conversation(served: Any) -> None:
+    trimmed = [*AGENT[:3], {**AGENT[3], "content": "record A: 7 crates"}, *AGENT[4:]]
+    served.engine.cache.flush()
+    ask(served.url, AGENT[:7])
+    body = keep_text_payload({"model": MODEL_NAME, "messages": trimmed, "max_tokens": 6, "logprobs": True}, AGENT)
+    status, reply = post(served.url, body)
+    assert status == 200, reply
+    details = reply["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] > 0 and details["drop_skipped_tokens"] > 0
 
 
 def test_bad_drop_rules_are_400s_naming_the_field(served: Any) -> None:
