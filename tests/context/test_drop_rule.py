@@ -40,7 +40,17 @@ def test_text_drop_selections_and_occurrences() -> None:
                                                                                          "content": "ok"}})
     span = parse_request_rules(None, rule, None, MESSAGES).span
     # "abab ab": "ab" matches at 0, 2, 5 (third: 5..7); "b a" at 3..6; merged 3..7.
-    assert span == TextDrop(3, (TextSelection(1, ((3, 7),), False), TextSelection(2, ((0, 2),), True)))
+    assert span == TextDrop(3, (TextSelection(1, ((3, 7),), False, "abab ab"), TextSelection(2, ((0, 2),), True, "ok")))
+
+
+def test_a_rule_checked_against_other_content_is_refused() -> None:
+    """The server normalises messages between checking the rule and rendering; a change is caught."""
+    from akv.system.context.spans import SpanError, text_drops
+
+    rule = parse_request_rules(None, text({1: {"role": "user", "content": "ab"}}), None, MESSAGES).span
+    changed = [*MESSAGES[:1], {"role": "user", "content": "abab ab!"}, *MESSAGES[2:]]
+    with pytest.raises(SpanError, match=r"messages\[1\].content: differs from the content"):
+        text_drops(None, changed, rule, lambda variant: "")
 
 
 def test_overlapping_matches_count_as_occurrences() -> None:

@@ -59,11 +59,13 @@ class ExclusiveFieldsError(RuleError):
 @dataclass(frozen=True)
 class TextSelection:
     """Characters of message ``message``'s content to drop: sorted, merged half-open ``ranges``;
-    ``whole`` when they cover all of it (the message is then dropped with its template tokens)."""
+    ``whole`` when they cover all of it (the message is then dropped with its template tokens).
+    ``content`` is the text they index (the rendered message must still carry it)."""
 
     message: int
     ranges: tuple[tuple[int, int], ...]
     whole: bool
+    content: str
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ def _text_selection(entry: Any, message: Mapping[str, Any], field: str, index: i
                                  f"occurrence {occurrence} of the selector is not in messages[{index}].content")
         ranges.append((start, start + len(pattern)))
     merged = merge_spans(ranges)
-    return TextSelection(index, merged, merged == ((0, len(content)),))
+    return TextSelection(index, merged, merged == ((0, len(content)),), content)
 
 
 def _occurrences(value: Any, n: int, single: bool, field: str) -> list[int]:

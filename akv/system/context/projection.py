@@ -19,7 +19,7 @@ from akv.system.context.compiler import TokenDrop
 from akv.system.context.drop_rule import KeepTextDrop, RequestRules, merge_spans
 from akv.system.context.provenance import TokenProvenance
 from akv.system.context.rules import RuleError, RuleShapeError, parse_rules
-from akv.system.context.spans import Render, content_starts, message_tokens, tokens_inside
+from akv.system.context.spans import Render, SpanError, check_content, content_starts, message_tokens, tokens_inside
 
 _FINGERPRINT = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id", "name")}
 
@@ -30,9 +30,11 @@ class ProjectionError(RuleError):
 
 @dataclass(frozen=True)
 class Projection:
-    """Per full message, the kept character range of its content, or None when it is dropped whole."""
+    """Per full message, the kept character range of its content, or None when it is dropped whole;
+    ``contents`` are the full contents the ranges index."""
 
     kept: tuple[tuple[int, int] | None, ...]
+    contents: tuple[str, ...]
 
 
 def project(visible: Sequence[Mapping[str, Any]], full: Sequence[Mapping[str, Any]]) -> Projection:
@@ -57,7 +59,7 @@ def project(visible: Sequence[Mapping[str, Any]], full: Sequence[Mapping[str, An
             raise ProjectionError(f"messages[{j}]", visible[j].get("role"),
                                   "is not part of any remaining message of drop_rule.full_messages "
                                   "(same role and calls, content a substring, in order)")
-    return Projection(tuple(kept))
+    return Projection(tuple(kept), tuple(m.get("content") or "" for m in full))
 
 
 def resolve_keep_text(
@@ -79,6 +81,11 @@ def projection_drops(provenance: TokenProvenance, full: Sequence[Mapping[str, An
     """The one drop, after the last full message, hiding all that was not kept."""
     ranges: list[tuple[int, int]] = []
     touched = []
+    if len(full) != len(projection.kept):
+        raise SpanError(f"drop_rule.full_messages: {len(full)} messages rendered, {len(projection.kept)} projected")
+    for i, span in enumerate(projection.kept):
+        if span is not None:
+            check_content(full[i].get("content") or "", i, projection.contents[i])
     partial = [i for i, span in enumerate(projection.kept)
                if span is not None and span != (0, len(full[i].get("content") or ""))]
     starts = content_starts(render, full, partial, provenance.text)

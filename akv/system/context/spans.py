@@ -45,6 +45,13 @@ def message_text(provenance: TokenProvenance, message: int) -> tuple[int, int]:
     return int(provenance.offsets[start, 0]), int(provenance.offsets[end - 1, 1])
 
 
+def check_content(actual: Any, index: int, expected: str) -> None:
+    """The rendered message ``index`` still has (as ``actual``) the content a rule was parsed against."""
+    if actual != expected:
+        raise SpanError(f"messages[{index}].content: differs from the content the drop_rule was checked against "
+                        "(the server normalised it)")
+
+
 def content_starts(render: Render, messages: Sequence[Mapping[str, Any]], indices: Sequence[int], text: str
                    ) -> dict[int, int]:
     """Start, in the rendered ``text``, of the content of each message in ``indices``."""
@@ -92,6 +99,8 @@ def text_drops(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]
     """The one drop a ``text_drop`` rule makes (none when it selects no whole token)."""
     ranges: list[tuple[int, int]] = []
     touched = []
+    for selection in rule.selections:
+        check_content(messages[selection.message].get("content"), selection.message, selection.content)
     starts = content_starts(render, messages, [s.message for s in rule.selections if not s.whole], provenance.text)
     for selection in rule.selections:
         i = selection.message
