@@ -285,3 +285,37 @@ def test_scheduled_message_without_reasoning_is_refused(bytes_tokenizer: Tokeniz
     with pytest.raises(ThinkingError, match=r"messages\[1\]: has no reasoning to drop"):
         compile_request(bytes_tokenizer, plain, drop_rule={"type": "thinking_drop", "thinking": {"2": [1]}},
                         template=ANGLE)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_keep_text_drop_brute_force(seed: int, chatml_tokenizer: Tokenizer) -> None:
+    """Random trims (messages removed, contents cut to a substring) against the definition: removed
+    messages go whole, cut messages lose exactly the tokens wholly inside the cut characters."""
+    rng = random.Random(1000 + seed)
+    n = rng.randint(2, 6)
+    full = [{"role": rng.choice(["user", "assistant"]), "content": f"#{k}#" + _random_text(rng)} for k in range(n)]
+    full[-1]["role"] = "user"
+    visible, chosen, removed = [], {}, set()
+    for i, m in enumerate(full):
+        if i < n - 1 and rng.random() < 0.3:
+            removed.add(i)
+            continue
+        content = m["content"]
+        if rng.random() < 0.5:
+            s = rng.randrange(len(content))
+            e = rng.randint(s, len(content))
+            piece = content[s:e]
+            later = any(piece in f["content"] and f["role"] == m["role"] for f in full[i + 1:])
+            if content.rfind(piece) == s and not later:  # the server takes the latest message and occurrence
+                visible.append({**m, "content": piece})
+                cut = [(a, b) for a, b in ((0, s), (e, len(content))) if a < b]
+                if cut:
+                    chosen[i] = cut
+                continue
+        visible.append(m)
+    result = compile_request(chatml_tokenizer, visible, drop_rule={"type": "keep_text_drop", "full_messages": full},
+                             template=CHATML)
+    prov = result.provenance
+    expected = _brute_expected(prov, full, chosen)
+    expected |= {t for t in range(len(prov.owners)) if prov.owners[t] in removed}
+    assert set(np.flatnonzero(~result.program.keep).tolist()) == expected

@@ -11,6 +11,7 @@ raises :class:`SpanError` naming the message.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,6 @@ from akv.system.context.provenance import ProvenanceError, TokenProvenance
 Render = Callable[[Sequence[Mapping[str, Any]]], str]
 """Renders messages exactly as the prompt was rendered (same template, tools and variables)."""
 
-_SENTINEL = re.compile("\ue000([0-9]+)\ue001")
 
 
 class SpanError(ProvenanceError):
@@ -57,13 +57,15 @@ def content_starts(render: Render, messages: Sequence[Mapping[str, Any]], indice
     """Start, in the rendered ``text``, of the content of each message in ``indices``."""
     if not indices:
         return {}
+    nonce = secrets.token_hex(6)
+    sentinel = re.compile(f"\ue000{nonce}([0-9]+)\ue001")
     marked = [dict(m) for m in messages]
     for i in indices:
-        marked[i]["content"] = f"{messages[i]['content']}\ue000{i}\ue001"
+        marked[i]["content"] = f"{messages[i]['content']}\ue000{nonce}{i}\ue001"
     variant = render(marked)
     ends: dict[int, int] = {}
     removed = 0
-    for match in _SENTINEL.finditer(variant):
+    for match in sentinel.finditer(variant):
         i = int(match.group(1))
         if i in ends or i not in indices:
             raise SpanError(f"messages[{i}].content: the chat template renders it more than once")
@@ -72,7 +74,7 @@ def content_starts(render: Render, messages: Sequence[Mapping[str, Any]], indice
     starts = {}
     for i in indices:
         content = messages[i]["content"]
-        if i not in ends or _SENTINEL.sub("", variant) != text or text[ends[i] - len(content) : ends[i]] != content:
+        if i not in ends or sentinel.sub("", variant) != text or text[ends[i] - len(content) : ends[i]] != content:
             raise SpanError(f"messages[{i}].content: not rendered verbatim by the chat template, so its "
                             "characters cannot be placed")
         starts[i] = ends[i] - len(content)
