@@ -260,6 +260,8 @@ def test_scheduled_thinking_and_whole_drops_share_one_drop_per_anchor(bytes_toke
     program = compile_request(bytes_tokenizer, SCHEDULED, drop_rule=rule, template=ANGLE).program
     assert drops(program) == [(50, 2, (1,), ((18, 39),)), (88, 4, (1, 2), ((7, 18), (39, 50)))]
     assert np.flatnonzero(~program.keep).tolist() == list(range(7, 50))
+    decoded = decode_program(encode_program(program))  # message 1 is in both drops: ranges travel
+    assert decoded.events == program.events and np.array_equal(decoded.visible_until, program.visible_until)
     none = compile_request(bytes_tokenizer, SCHEDULED, drop_rule={"type": "thinking_drop", "thinking": {}},
                            template=ANGLE).program
     assert none.events == ()

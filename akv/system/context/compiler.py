@@ -16,7 +16,7 @@ import numpy as np
 
 from akv.system.arrays import frozen
 from akv.system.context.program import ContextProgram, Event, EventKind, Transition
-from akv.system.context.rules import ContextRules
+from akv.system.context.rules import ContextRules, Drop
 
 _ALIVE = np.iinfo(np.int64).max
 
@@ -45,7 +45,7 @@ def compile_program(token_ids: Any, owners: Any, rules: ContextRules, n_messages
         raise ProgramError(f"rules: expected ContextRules, got {type(rules).__name__}")
     if rules.max_id >= n_messages:
         raise ProgramError(f"rules: message id {rules.max_id} is out of range for {n_messages} messages")
-    return _lay_out(ids, own, n_messages, _events(own, message_drops(own, rules), rules.repositions))
+    return _lay_out(ids, own, n_messages, _events(own, message_drops(own, rules.drops), rules.repositions))
 
 
 def compile_token_drops(
@@ -61,19 +61,19 @@ def compile_token_drops(
     return _lay_out(ids, own, n_messages, _events(own, tuple(drops), repos))
 
 
-def message_drops(owners: Any, rules: ContextRules) -> tuple[TokenDrop, ...]:
-    """The token ranges each drop of ``rules`` hides: every token its messages own."""
+def message_drops(owners: Any, drops: Sequence[Drop]) -> tuple[TokenDrop, ...]:
+    """The token ranges each of ``drops`` hides: every token its messages own."""
     own = np.asarray(owners, dtype=np.int64)
-    flat = np.asarray([m for d in rules.drops for m in d.messages], dtype=np.int64)
+    flat = np.asarray([m for d in drops for m in d.messages], dtype=np.int64)
     starts = np.searchsorted(own, flat, side="left").tolist()
     ends = np.searchsorted(own, flat, side="right").tolist()
-    drops = []
+    out = []
     k = 0
-    for drop in rules.drops:
+    for drop in drops:
         n = len(drop.messages)
-        drops.append(TokenDrop(drop.anchor, drop.messages, _merge_ranges(starts[k : k + n], ends[k : k + n])))
+        out.append(TokenDrop(drop.anchor, drop.messages, _merge_ranges(starts[k : k + n], ends[k : k + n])))
         k += n
-    return tuple(drops)
+    return tuple(out)
 
 
 def append_generated(program: ContextProgram, token_ids: Any) -> ContextProgram:

@@ -59,7 +59,7 @@ def compile_rules(provenance: TokenProvenance, messages: Sequence[Mapping[str, A
         drops = projection_drops(provenance, messages, span, render)
     else:
         raise TypeError(f"rules.span: {type(span).__name__} is not resolved; call render_inputs first")
-    drops = merge_drops(message_drops(provenance.owners, rules.rules) + drops)
+    drops = merge_drops(message_drops(provenance.owners, rules.rules.drops) + drops)
     return compile_token_drops(provenance.token_ids, provenance.owners, drops, rules.rules.repositions, n)
 
 

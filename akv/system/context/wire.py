@@ -58,9 +58,8 @@ def encode_program(program: ContextProgram) -> bytes:
     drops = [e for e in program.events if e.kind is EventKind.DROP]
     repos = [e.anchor for e in program.events if e.kind is EventKind.REPOS]
     dropped = [m for e in drops for m in e.messages]
-    whole = ContextRules(tuple(Drop(e.anchor, e.messages) for e in drops), tuple(repos)) if drops else None
-    owners = program.owners[:n_prompt]
-    flags = 0 if whole is None or [d.ranges for d in message_drops(owners, whole)] == [e.ranges for e in drops] else RANGES
+    whole = message_drops(program.owners[:n_prompt], [Drop(e.anchor, e.messages) for e in drops])
+    flags = 0 if [d.ranges for d in whole] == [e.ranges for e in drops] else RANGES
     body = b"".join(
         [
             _HEADER.pack(
