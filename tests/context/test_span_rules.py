@@ -90,7 +90,8 @@ def test_content_is_placed_where_rendered_not_where_first_found(bytes_tokenizer:
     program = compile_request(bytes_tokenizer, messages, drop_rule=rule, template=ANGLE).program
     assert drops(program)[0][3] == ((6, 8),)  # not the "us" of "<user>"
     with pytest.raises(SpanError, match=r"messages\[0\].content: not rendered verbatim"):
-        compile_request(bytes_tokenizer, messages, drop_rule=rule, template=ANGLE.replace("m.content", "m.content|upper"))
+        upper = ANGLE.replace("m.content", "m.content|upper")
+        compile_request(bytes_tokenizer, messages, drop_rule=rule, template=upper)
     twice = ANGLE.replace("{{ m.content }}", "{{ m.content }}{{ m.content }}")
     with pytest.raises(SpanError, match=r"messages\[0\].content: the chat template renders it more than once"):
         compile_request(bytes_tokenizer, messages, drop_rule=rule, template=twice)
@@ -200,7 +201,8 @@ def test_qwen3_keeps_historical_reasoning_only_when_patched(chatml_tokenizer: To
     text, prov = result.provenance.text, result.provenance
     block = "<think>\nThe user asks about weather.\n</think>\n\n"
     start = text.index(block)
-    inside = {t for t in range(len(prov.owners)) if start <= prov.offsets[t][0] < prov.offsets[t][1] <= start + len(block)}
+    inside = {t for t in range(len(prov.owners))
+              if start <= prov.offsets[t][0] < prov.offsets[t][1] <= start + len(block)}
     assert set(np.flatnonzero(~result.program.keep).tolist()) == inside and inside
     assert "It is sunny." in text and retain_thinking(retain_thinking(stock)) == retain_thinking(stock)
 
@@ -270,10 +272,12 @@ def test_scheduled_thinking_and_whole_drops_share_one_drop_per_anchor(bytes_toke
 @pytest.mark.parametrize(
     ("rule", "error", "needle"),
     [
-        ({"type": "thinking_drop", "thinking": {"2": [2]}}, RuleError, r"drop_rule.thinking\['2'\]\[0\]: message 2 is a user"),
+        ({"type": "thinking_drop", "thinking": {"2": [2]}}, RuleError,
+         r"drop_rule.thinking\['2'\]\[0\]: message 2 is a user"),
         ({"type": "thinking_drop", "thinking": {"4": [1]}, "drop_messages": {"2": [1]}}, RuleError,
          r"drop_rule.thinking\['4'\]\[0\]: message 1 is dropped whole by anchor 2"),
-        ({"type": "thinking_drop", "thinking": {"2": [3]}}, RuleError, r"drop_rule.thinking\['2'\]\[0\]: message 3 is after"),
+        ({"type": "thinking_drop", "thinking": {"2": [3]}}, RuleError,
+         r"drop_rule.thinking\['2'\]\[0\]: message 3 is after"),
         ({"type": "thinking_drop", "thinking": [1]}, RuleError, "drop_rule.thinking: expected an object"),
     ],
 )

@@ -151,7 +151,8 @@ def test_token_range_drops_round_trip_and_resist_corruption() -> None:
     [
         ([TokenDrop(1, (0,), ((1, 6),))], r"drops\[0\]\.ranges\[0\]: range \(1, 6\) .* end by token 5"),
         ([TokenDrop(1, (0,), ((0, 2),)), TokenDrop(2, (0,), ((1, 3),))], "token 1 is hidden by two drops"),
-        ([TokenDrop(2, (0,), ((0, 1),)), TokenDrop(1, (0,), ((2, 3),))], r"drops\[1\]\.anchor: anchor 1 does not follow 2"),
+        ([TokenDrop(2, (0,), ((0, 1),)), TokenDrop(1, (0,), ((2, 3),))],
+         r"drops\[1\]\.anchor: anchor 1 does not follow 2"),
         ([TokenDrop(1, (0,), ((0, 2), (2, 3)))], r"drops\[0\]\.ranges\[1\]"),
     ],
 )

@@ -112,7 +112,8 @@ def compile_context_program(
         if rules is None:
             return None
         if isinstance(rules.span, KeepTextDrop):
-            raise UnsupportedContextRequest("drop_rule: keep_text_drop needs prepare_context_request first", "drop_rule")
+            raise UnsupportedContextRequest(
+                "drop_rule: keep_text_drop needs prepare_context_request first", "drop_rule")
         prepared = PreparedRules(rules)
     variables = dict(template_kwargs)
     if prepared.template is not None:
@@ -158,7 +159,8 @@ def _thinking_template(request: Any, tokenizer: Any) -> str | None:
     kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
     if _TEMPLATE_KWARG in kwargs:
         raise UnsupportedContextRequest(
-            f"chat_template_kwargs[{_TEMPLATE_KWARG!r}]: not supported with drop_rule thinking_drop", "chat_template_kwargs")
+            f"chat_template_kwargs[{_TEMPLATE_KWARG!r}]: not supported with drop_rule thinking_drop",
+            "chat_template_kwargs")
     source = getattr(tokenizer, "chat_template", None)
     if not isinstance(source, str) or retain_thinking(source) == source:
         return None

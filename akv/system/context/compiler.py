@@ -165,7 +165,8 @@ def _check_token_drops(
                                f"within {n_messages} messages")
         previous_anchor = drop.anchor
         if not drop.messages or any(type(m) is not int or not 0 <= m <= drop.anchor for m in drop.messages):
-            raise ProgramError(f"{field}.messages: {drop.messages!r} must be message ids up to the anchor {drop.anchor}")
+            raise ProgramError(
+                f"{field}.messages: {drop.messages!r} must be message ids up to the anchor {drop.anchor}")
         at = int(np.searchsorted(owners, drop.anchor, side="right"))
         for i, (start, end) in enumerate(drop.ranges):
             if not (type(start) is int and type(end) is int and previous_end <= start < end <= at):

@@ -117,7 +117,8 @@ def parse_request_rules(
     if drop_rule is None:
         return RequestRules(parse_rules(drop_message, reposition, len(messages)))
     if drop_message is not None:
-        raise ExclusiveFieldsError("drop_rule", _type_of(drop_rule), "drop_rule and drop_message are exclusive; send one")
+        raise ExclusiveFieldsError("drop_rule", _type_of(drop_rule),
+                                   "drop_rule and drop_message are exclusive; send one")
     if not isinstance(drop_rule, Mapping):
         raise RuleShapeError("drop_rule", drop_rule, f"expected an object, got {type(drop_rule).__name__}")
     kind = drop_rule.get("type")
@@ -222,7 +223,8 @@ def _text_selection(entry: Any, message: Mapping[str, Any], field: str, index: i
     single = isinstance(selectors, str)
     patterns = [selectors] if single else selectors
     if not isinstance(patterns, list) or not patterns:
-        raise RuleShapeError(f"{field}.content", _short(selectors), "expected null, a string or a non-empty list of strings")
+        raise RuleShapeError(f"{field}.content", _short(selectors),
+                             "expected null, a string or a non-empty list of strings")
     if len(patterns) > MAX_SELECTORS:
         raise RuleSizeError(f"{field}.content", len(patterns), f"{len(patterns)} selectors, at most {MAX_SELECTORS}")
     occurrences = _occurrences(entry.get("occurrence"), len(patterns), single, f"{field}.occurrence")
@@ -232,14 +234,16 @@ def _text_selection(entry: Any, message: Mapping[str, Any], field: str, index: i
                              f"messages[{index}] has {type(content).__name__} content; text_drop needs string content")
     budget.text_bytes += len(content.encode("utf-8", "surrogatepass"))
     if budget.text_bytes > MAX_TEXT_BYTES:
-        raise RuleSizeError(field, budget.text_bytes, f"{budget.text_bytes} content bytes searched, at most {MAX_TEXT_BYTES}")
+        raise RuleSizeError(field, budget.text_bytes,
+                            f"{budget.text_bytes} content bytes searched, at most {MAX_TEXT_BYTES}")
     items = [f"{field}.content" if single else f"{field}.content[{j}]" for j in range(len(patterns))]
     for item, pattern, occurrence in zip(items, patterns, occurrences):
         if not isinstance(pattern, str) or not pattern:
             raise RuleShapeError(item, _short(pattern), "a selector must be a non-empty string")
         budget.pattern_bytes += len(pattern.encode("utf-8", "surrogatepass"))
         if budget.pattern_bytes > MAX_PATTERN_BYTES:
-            raise RuleSizeError(item, budget.pattern_bytes, f"{budget.pattern_bytes} pattern bytes, at most {MAX_PATTERN_BYTES}")
+            raise RuleSizeError(item, budget.pattern_bytes,
+                                f"{budget.pattern_bytes} pattern bytes, at most {MAX_PATTERN_BYTES}")
         budget.matches += occurrence
         if budget.matches > MAX_MATCHES:
             raise RuleSizeError(item, budget.matches, f"{budget.matches} matches to find, at most {MAX_MATCHES}")
@@ -262,7 +266,8 @@ def _occurrences(value: Any, n: int, single: bool, field: str) -> list[int]:
         raise RuleShapeError(field, _short(value), f"expected {'an int' if single else f'{n} ints, one per selector'}")
     for j, v in enumerate(values):
         if type(v) is not int or not 1 <= v <= MAX_MATCHES:
-            raise RuleShapeError(field if single else f"{field}[{j}]", v, f"occurrence must be an int in 1..{MAX_MATCHES}")
+            raise RuleShapeError(field if single else f"{field}[{j}]", v,
+                                 f"occurrence must be an int in 1..{MAX_MATCHES}")
     return values
 
 
@@ -293,7 +298,8 @@ def merge_spans(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]
 def _keep_text_drop(drop_rule: Mapping[str, Any]) -> KeepTextDrop:
     full = drop_rule.get("full_messages")
     if not isinstance(full, list) or not full:
-        raise RuleShapeError("drop_rule.full_messages", _short(full), "keep_text_drop needs a non-empty list of messages")
+        raise RuleShapeError("drop_rule.full_messages", _short(full),
+                             "keep_text_drop needs a non-empty list of messages")
     if len(full) > MAX_FULL_MESSAGES:
         raise RuleSizeError("drop_rule.full_messages", len(full), f"{len(full)} messages, at most {MAX_FULL_MESSAGES}")
     force = drop_rule.get("force", False)

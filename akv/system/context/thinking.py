@@ -65,7 +65,8 @@ def thinking_drops(provenance: TokenProvenance, messages: Sequence[Mapping[str, 
         for i in drop.messages:
             thought = reasoning(messages[i], i)
             if thought is None:
-                raise ThinkingError(f"messages[{i}]: has no reasoning to drop (no reasoning_content, no leading {OPEN})")
+                raise ThinkingError(
+                    f"messages[{i}]: has no reasoning to drop (no reasoning_content, no leading {OPEN})")
             start, end = _block(provenance, i, thought)
             ranges.extend(tokens_inside(provenance, [(start, end)], i))
         if ranges:
