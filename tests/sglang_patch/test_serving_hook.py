@@ -203,3 +203,19 @@ def test_thinking_drop_refuses_a_client_template() -> None:
     serving.tokenizer_manager.tokenizer = SimpleNamespace(chat_template=QWEN3)
     with pytest.raises(UnsupportedContextRequest, match=r"chat_template_kwargs\['chat_template'\]: not supported"):
         prepare_context_request(serving, request, False)
+
+
+def test_unplaceable_text_is_a_400_on_drop_rule(tokenizer) -> None:
+    from akv.system.adapter.serving import error_param
+    from akv.system.context.spans import SpanError
+
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "user", "content": "Next"}]
+    rule = {"type": "text_drop", "drop_messages": [{"role": "user", "content": "there"}, None]}
+    request = _request(messages=messages, drop_rule=rule)
+    prepare_context_request(_serving(), request, False)
+    normalised = [{"role": "user", "content": "Hello there!"}, messages[1]]  # what a normaliser might change
+    text = tokenizer.apply_chat_template(normalised, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    with pytest.raises(SpanError) as info:
+        compile_context_program(request, tokenizer, normalised, None, {}, prompt_ids)
+    assert error_param(info.value) == "drop_rule"

@@ -12,6 +12,7 @@ from akv.system.context.program import ContextProgram
 from akv.system.context.provenance import ProvenanceError
 from akv.system.context.request import compile_parsed, render_inputs
 from akv.system.context.rules import RuleError, RuleShapeError
+from akv.system.context.spans import SpanError
 from akv.system.context.thinking import retain_thinking
 from akv.system.context.wire import encode_program
 
@@ -57,6 +58,8 @@ def error_param(error: ValueError) -> str | None:
         return error.field.split("[", 1)[0]
     if isinstance(error, UnsupportedContextRequest):
         return error.param
+    if isinstance(error, SpanError):
+        return "drop_rule"
     if isinstance(error, ProvenanceError):
         return "messages"
     return None
