@@ -243,6 +243,15 @@ def test_keep_text_drop_partial_keeps_template_and_kept_text(bytes_tokenizer: To
     assert drops(program) == [(program.n_prompt - 11, 4, (2,), ((31, 43), (51, 61)))]
 
 
+def test_keep_text_drop_repositions_index_the_full_messages(bytes_tokenizer: Tokenizer) -> None:
+    rule = {"type": "keep_text_drop", "full_messages": FULL}
+    program = compile_request(bytes_tokenizer, [FULL[0], FULL[4]], drop_rule=rule, reposition=[4],
+                              template=ANGLE).program
+    assert [e.kind.name for e in program.events] == ["DROP", "REPOS"] and program.events[1].anchor == 4
+    with pytest.raises(RuleError, match=r"reposition\[0\]: message id 5 is out of range for 5 messages"):
+        compile_request(bytes_tokenizer, [FULL[0], FULL[4]], drop_rule=rule, reposition=[5], template=ANGLE)
+
+
 def test_keep_text_drop_mismatch_fails_or_forces(bytes_tokenizer: Tokenizer) -> None:
     visible = [FULL[0], {"role": "user", "content": "not there"}]
     with pytest.raises(ProjectionError, match=r"messages\[1\]"):

@@ -137,10 +137,11 @@ def parse_request_rules(
         if "thinking" not in drop_rule:
             return RequestRules(whole, ThinkingDrop())
         return RequestRules(whole, ThinkingDrop(_thinking_schedule(drop_rule["thinking"], messages, whole)))
-    rules = parse_rules(None, reposition, len(messages))
     if kind == "text_drop":
+        rules = parse_rules(None, reposition, len(messages))
         return RequestRules(rules, _text_drop(drop_rule.get("drop_messages"), messages))
-    return RequestRules(rules, _keep_text_drop(drop_rule))
+    # keep_text_drop: reposition ids index the full messages, checked once they are known
+    return RequestRules(ContextRules.EMPTY, _keep_text_drop(drop_rule))
 
 
 def _type_of(drop_rule: Any) -> Any:
