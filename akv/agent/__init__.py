@@ -22,6 +22,7 @@ from akv.agent.errors import (
                               UnexpectedResponseError,
 )
 from akv.agent.history import CacheOperation, CacheOperationHistory
+from akv.agent.keep_text import keep_text_payload
 from akv.agent.openai import extra_body
 from akv.agent.policy import CachePolicy
 from akv.agent.protection import Protection
@@ -42,6 +43,7 @@ __all__ = [
     "StreamError",
     "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
     "TokenReposition", "TokenSelection", "TokenTrigger", "ToolCall", "TransportError", "TurnReposition",
-    "TurnSelection", "TurnTrigger", "UnexpectedResponseError", "Usage", "extra_body", "send_chat_request",
+    "TurnSelection", "TurnTrigger", "UnexpectedResponseError", "Usage", "extra_body", "keep_text_payload",
+    "send_chat_request",
     "sglang_template_inputs",
 ]

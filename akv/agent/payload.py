@@ -9,6 +9,7 @@ from typing import Any
 from akv.agent.errors import PayloadError
 from akv.agent.history import CacheOperationHistory
 from akv.agent.jsonvalue import MAX_DEPTH
+from akv.agent.thinking import thinking_rule
 
 API_STYLES = ("sglang", "openai")
 AKV_FIELDS = ("drop_message", "reposition", "drop_rule")
@@ -41,11 +42,14 @@ def check_payload(payload: object, api_style: str) -> None:
         raise PayloadError(f"payload field 'tools' must be a list, got {type(tools).__name__}", field="tools")
 
 
-def akv_fields(history: CacheOperationHistory) -> dict[str, Any]:
-    """The cumulative wire fields of `history`; empty fields are left out."""
+def akv_fields(history: CacheOperationHistory, thinking: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """The cumulative wire fields of `history`; empty fields are left out. With a reasoning schedule
+    (`thinking`, possibly empty) the drops travel in a `thinking_drop` rule instead of `drop_message`."""
     fields: dict[str, Any] = {}
     drop = history.drop_message()
-    if drop:
+    if thinking is not None:
+        fields["drop_rule"] = thinking_rule(thinking, drop)
+    elif drop:
         fields["drop_message"] = drop
     reposition = history.reposition()
     if reposition:
@@ -79,11 +83,12 @@ def copy_json(value: Any, field: str = "payload", depth: int = MAX_DEPTH) -> Any
 
 
 def with_fields(payload: Mapping[str, Any], messages: list[Any], history: CacheOperationHistory,
-                api_style: str) -> dict[str, Any]:
-    """A deep copy of `payload` carrying the cumulative AKV fields of `history`; `messages` must be a
-    private copy of the payload's messages, used as is."""
+                api_style: str, thinking: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """A deep copy of `payload` carrying the cumulative AKV fields of `history` (and the reasoning
+    schedule `thinking`, see `akv_fields`); `messages` must be a private copy of the payload's
+    messages, used as is."""
     new = {key: messages if key == "messages" else copy_json(value, key) for key, value in payload.items()}
-    fields = akv_fields(history)
+    fields = akv_fields(history, thinking)
     if api_style == "openai":
         if fields or "extra_body" in new:
             new["extra_body"] = {**new.get("extra_body", {}), **fields}

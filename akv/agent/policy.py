@@ -21,6 +21,7 @@ from akv.agent.messages import parse_conversation
 from akv.agent.jsonvalue import copy_json_pair, same_json, validate_json
 from akv.agent.payload import check_payload, copy_json, with_fields
 from akv.agent.protection import Protection
+from akv.agent.thinking import thinking_schedule
 from akv.agent.tool import DropContextTool
 
 Trigger = Callable[[DecisionContext], bool]
@@ -36,7 +37,9 @@ class CachePolicy:
     `reposition` when to compact positions. Protected messages (`protect_system`,
     `protect_first_user`, `exclude_tools`) and the current turn are never dropped. A drop smaller
     than `min_clear_messages` messages or `min_clear_tokens` tokens (counted by `counter`, which is
-    used for nothing else) is skipped."""
+    used for nothing else) is skipped. With `keep_thinking_turns=N`, the reasoning of assistant
+    messages older than the last N turns is dropped too (a `thinking_drop` rule then carries all
+    drops, and the server keeps historical reasoning in the prompt)."""
 
     trigger: Trigger | None = None
     selector: Selector | None = None
@@ -47,6 +50,7 @@ class CachePolicy:
     min_clear_messages: int = 1
     min_clear_tokens: int | None = None
     counter: TokenCounter | None = None
+    keep_thinking_turns: int | None = None
     protection: Protection = field(init=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +62,7 @@ class CachePolicy:
             raise ConfigError("CachePolicy.trigger needs a selector (what to drop when it fires)")
         checks.positive_int("CachePolicy", "min_clear_messages", self.min_clear_messages)
         checks.positive_int("CachePolicy", "min_clear_tokens", self.min_clear_tokens, optional=True)
+        checks.positive_int("CachePolicy", "keep_thinking_turns", self.keep_thinking_turns, optional=True)
         if self.min_clear_tokens is not None:
             checks.counter("CachePolicy (min_clear_tokens)", self.counter)
         protection = Protection(self.protect_system, self.protect_first_user, self.exclude_tools)
@@ -82,7 +87,8 @@ class CachePolicy:
         if history is not None:
             _check_history(history, conversation.boundaries, messages, settings)
             if history.message_count == len(messages):
-                return with_fields(payload, copy_json(messages), history, api_style), history
+                thinking = self._thinking(messages, conversation.boundaries, history)
+                return with_fields(payload, copy_json(messages), history, api_style, thinking), history
             start = history.message_count
         if history is None or history.snapshot is None:
             snapshot, sent = copy_json_pair(messages, "messages")
@@ -104,7 +110,15 @@ class CachePolicy:
                     operations.append(op)
             previous = boundary
         new_history = CacheOperationHistory.extending(history, tuple(operations), settings, snapshot)
-        return with_fields(payload, sent, new_history, api_style), new_history
+        thinking = self._thinking(messages, conversation.boundaries, new_history)
+        return with_fields(payload, sent, new_history, api_style, thinking), new_history
+
+    def _thinking(self, messages: list[Any], boundaries: tuple[int, ...], history: CacheOperationHistory
+                  ) -> dict[str, list[int]] | None:
+        if self.keep_thinking_turns is None:
+            return None
+        dropped_at = {i: op.boundary for op in history.operations for i in op.drop}
+        return thinking_schedule(messages, boundaries, self.keep_thinking_turns, dropped_at)
 
     def _decide(self, state: DecisionState, boundary: int, turn: int, previous: int) -> CacheOperation | None:
         state.admit_until(previous + 1)

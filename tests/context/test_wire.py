@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from akv.system.context.compiler import append_generated, compile_program
+from akv.system.context.compiler import ProgramError, TokenDrop, append_generated, compile_program, compile_token_drops
 from akv.system.context.program import ContextProgram
 from akv.system.context.rules import parse_rules
-from akv.system.context.wire import WireError, decode_program, encode_program
+from akv.system.context.wire import RANGES, WireError, decode_program, encode_program
 
 from .strategies import History, histories
 
@@ -99,7 +99,7 @@ def test_truncated_or_extended_bytes_are_rejected() -> None:
     [
         (0, b"XKVP", "magic: b'XKVP'"),
         (1, 2, "version: 2 is not supported"),
-        (2, 1, "flags: 1 must be 0"),
+        (2, 2, "flags: 2 must be 0 or 1"),
         (4, 13, "n_prompt: 13 exceeds n_tokens 12"),
         (9, -1, r"program: token_ids\[0\]: negative value -1"),
         (20, -5, r"program: token_ids\[1\]: negative value -5"),
@@ -125,3 +125,37 @@ def test_unencodable_programs_are_refused() -> None:
     program = compile_program([2**31], [0], parse_rules(None, None, 1), 1)
     with pytest.raises(WireError, match="token_ids: id 2147483648 does not fit int32"):
         encode_program(program)
+
+
+def _ranged() -> ContextProgram:
+    """Drops of parts of messages (text spans), which travel as explicit token ranges."""
+    owners = [0, 0, 0, 1, 1, 2, 2, 2, 3]
+    drops = [TokenDrop(1, (0,), ((1, 2),)), TokenDrop(2, (0, 1), ((0, 1), (3, 4)))]
+    return append_generated(compile_token_drops(np.arange(50, 59), owners, drops, [2], 3), [9])
+
+
+def test_token_range_drops_round_trip_and_resist_corruption() -> None:
+    program = _ranged()
+    data = encode_program(program)
+    assert struct.unpack_from("<H", data, 6)[0] == RANGES
+    _assert_same(decode_program(data), program)
+    for i in range(len(data)):
+        corrupt = bytearray(data)
+        corrupt[i] ^= 0x5A
+        with pytest.raises(WireError):
+            decode_program(bytes(corrupt))
+
+
+@pytest.mark.parametrize(
+    ("drops", "text"),
+    [
+        ([TokenDrop(1, (0,), ((1, 6),))], r"drops\[0\]\.ranges\[0\]: range \(1, 6\) .* end by token 5"),
+        ([TokenDrop(1, (0,), ((0, 2),)), TokenDrop(2, (0,), ((1, 3),))], "token 1 is hidden by two drops"),
+        ([TokenDrop(2, (0,), ((0, 1),)), TokenDrop(1, (0,), ((2, 3),))],
+         r"drops\[1\]\.anchor: anchor 1 does not follow 2"),
+        ([TokenDrop(1, (0,), ((0, 2), (2, 3)))], r"drops\[0\]\.ranges\[1\]"),
+    ],
+)
+def test_bad_token_drops_are_refused(drops: list, text: str) -> None:
+    with pytest.raises(ProgramError, match=text):
+        compile_token_drops(np.arange(9), [0, 0, 0, 1, 1, 2, 2, 2, 3], drops, [], 3)

@@ -156,6 +156,37 @@ def test_bad_requests_get_a_clean_400(sglang_url: str, fields: dict, param: str,
     assert "Record B" not in error["message"], "the request body is echoed back"
 
 
+THOUGHT = [*MESSAGES[:2], {"role": "assistant", "content": "<think>A first, then B.</think>\n\nReading A."},
+           *MESSAGES[3:]]
+DROP_RULES = [
+    ("text_drop", MESSAGES, {"drop_rule": {"type": "text_drop", "drop_messages": [
+        None, {"role": "user", "content": "Read record A and follow it."}, None,
+        {"role": "user", "content": ["shipment 7 left", "for the next leg"]}, None, None]}, "reposition": [5]}),
+    ("keep_text_drop", [*MESSAGES[:3], {**MESSAGES[3], "content": "Record A: shipment 7 left the depot;"}, *MESSAGES[4:]],
+     {"drop_rule": {"type": "keep_text_drop", "full_messages": MESSAGES}}),
+    ("thinking_drop", THOUGHT, {"drop_rule": {"type": "thinking_drop"}}),
+]
+
+
+@pytest.mark.parametrize(("name", "messages", "fields"), DROP_RULES, ids=[d[0] for d in DROP_RULES])
+def test_drop_rule_equals_the_reference_servers(sglang_url: str, reference_url: str, name: str,
+                                                messages: list, fields: dict) -> None:
+    body = {"model": "default", "messages": messages, "max_tokens": 6, "temperature": 0.0, **fields}
+    (got_status, got), (want_status, want) = post(sglang_url, body), post(reference_url, body)
+    assert got_status == want_status == 200, (got, want)
+    assert got["content"] == want["content"]
+    for key in ("prompt_tokens", "completion_tokens", "prompt_tokens_details"):
+        assert got["usage"][key] == want["usage"][key], key
+    assert got["usage"]["prompt_tokens_details"]["drop_skipped_tokens"] > 0 or name == "keep_text_drop"
+
+
+def test_drop_rule_with_drop_message_is_a_400(sglang_url: str) -> None:
+    status, error = post(sglang_url, {"model": "default", "messages": MESSAGES, "max_tokens": 2,
+                                      "drop_rule": {"type": "thinking_drop"}, "drop_message": {"4": [3]}})
+    assert status == 400 and error["param"] == "drop_rule", error
+    assert "drop_rule and drop_message are exclusive" in error["message"]
+
+
 def test_the_server_still_serves_after_everything(sglang_url: str, served_turns: list) -> None:
     body = {"model": "default", "messages": MESSAGES, "max_tokens": 3, "temperature": 0.0,
             "drop_message": {"4": [3]}, "reposition": [4]}

@@ -105,9 +105,10 @@ def test_plain_requests_parse_exactly_as_stock(results: dict[str, dict]) -> None
     patched = results["patched"]["requests"][: len(PLAIN)]
     for body, s, p in zip(PLAIN, stock, patched):
         assert s["ok"] and p["ok"], (body, s["error"], p["error"])
-        extra = {k: p["dump"].pop(k) for k in ("drop_message", "reposition", "akv_unknown_fields")}
+        extra = {k: p["dump"].pop(k) for k in ("drop_message", "reposition", "drop_rule", "akv_unknown_fields")}
         assert p["dump"] == s["dump"], body
-        assert extra == {"drop_message": body.get("drop_message"), "reposition": None, "akv_unknown_fields": None}
+        assert extra == {"drop_message": body.get("drop_message"), "reposition": None, "drop_rule": None,
+                         "akv_unknown_fields": None}
 
 
 def test_usage_serializes_as_stock_and_adds_only_set_counters(results: dict[str, dict]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from akv.system.adapter.serving import (
     compile_context_program,
     prepare_context_request,
 )
+from akv.system.context.drop_rule import RequestRules
 from akv.system.context.rules import ContextRules, Drop
 
 MESSAGES = [{"role": "user", "content": str(i)} for i in range(4)]
@@ -36,7 +38,7 @@ def _request(**fields: object) -> SimpleNamespace:
 
 def test_context_request_yields_its_rules() -> None:
     rules = prepare_context_request(_serving(), _request(drop_message={"2": [0, 1]}, reposition=[2, 3]), False)
-    assert rules == ContextRules(drops=(Drop(anchor=2, messages=(0, 1)),), repositions=(2, 3))
+    assert rules == RequestRules(ContextRules(drops=(Drop(anchor=2, messages=(0, 1)),), repositions=(2, 3)))
 
 
 @pytest.mark.parametrize("drop_message", [None, {}])
@@ -148,3 +150,72 @@ def test_prompt_that_provenance_cannot_reproduce_is_refused(tokenizer) -> None:
     request = _request(messages=CONVERSATION, reposition=[2])
     with pytest.raises(UnsupportedContextRequest, match="chat_template: .* differs from the server's prompt at token 5"):
         compile_context_program(request, tokenizer, CONVERSATION, TOOLS, {}, tampered)
+
+
+# ---------------------------------------------------------------------------- drop_rule ---
+
+QWEN3 = (Path(__file__).parents[1] / "context" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
+REASONED = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up first."},
+    {"role": "user", "content": "Tomorrow?"},
+]
+
+
+def _sglang_render(tokenizer, request) -> list[int]:
+    """SGLang's jinja path: chat_template_kwargs spread into apply_chat_template, then one encode."""
+    text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True,
+                                         **(request.chat_template_kwargs or {}))
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_thinking_drop_has_sglang_render_the_reasoning_it_drops(tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(tokenizer, "chat_template", QWEN3)
+    serving = _serving()
+    serving.tokenizer_manager.tokenizer = tokenizer
+    request = _request(messages=REASONED, drop_rule={"type": "thinking_drop"}, chat_template_kwargs=None)
+    prepare_context_request(serving, request, False)
+    prompt_ids = _sglang_render(tokenizer, request)
+    assert "Look it up first." in tokenizer.decode(prompt_ids)  # stock Qwen3 would leave it out
+    program = compile_context_program(request, tokenizer, REASONED, None, dict(request.chat_template_kwargs),
+                                      prompt_ids)
+    hidden = tokenizer.decode([prompt_ids[t] for t in range(program.n_prompt) if not program.keep[t]])
+    assert hidden == "<think>\nLook it up first.\n</think>\n\n"
+    assert [e.anchor for e in program.events] == [1]
+
+
+def test_keep_text_drop_swaps_in_the_full_messages() -> None:
+    full = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "long answer"},
+            {"role": "user", "content": "next"}]
+    request = _request(messages=[full[0], full[2]], drop_rule={"type": "keep_text_drop", "full_messages": full})
+    rules = prepare_context_request(_serving(), request, False)
+    assert request.messages == full and rules.span.kept == ((0, 4), None, (0, 4))
+    forced = _request(messages=[{"role": "user", "content": "other"}],
+                      drop_rule={"type": "keep_text_drop", "full_messages": full, "force": True})
+    assert prepare_context_request(_serving(), forced, False).span is None
+    assert forced.messages == [{"role": "user", "content": "other"}]
+
+
+def test_thinking_drop_refuses_a_client_template() -> None:
+    request = _request(messages=REASONED, drop_rule={"type": "thinking_drop"},
+                       chat_template_kwargs={"chat_template": "{{ x }}"})
+    serving = _serving()
+    serving.tokenizer_manager.tokenizer = SimpleNamespace(chat_template=QWEN3)
+    with pytest.raises(UnsupportedContextRequest, match=r"chat_template_kwargs\['chat_template'\]: not supported"):
+        prepare_context_request(serving, request, False)
+
+
+def test_unplaceable_text_is_a_400_on_drop_rule(tokenizer) -> None:
+    from akv.system.adapter.serving import error_param
+    from akv.system.context.spans import SpanError
+
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "user", "content": "Next"}]
+    rule = {"type": "text_drop", "drop_messages": [{"role": "user", "content": "there"}, None]}
+    request = _request(messages=messages, drop_rule=rule)
+    prepare_context_request(_serving(), request, False)
+    normalised = [{"role": "user", "content": "Hello there!"}, messages[1]]  # what a normaliser might change
+    text = tokenizer.apply_chat_template(normalised, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    with pytest.raises(SpanError) as info:
+        compile_context_program(request, tokenizer, normalised, None, {}, prompt_ids)
+    assert error_param(info.value) == "drop_rule"

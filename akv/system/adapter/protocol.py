@@ -1,8 +1,8 @@
 """Hooks for the patched ``sglang/srt/entrypoints/openai/protocol.py``: AKV request fields.
 
-``drop_message`` / ``reposition`` are declared as sent (no pydantic coercion, so ``"1"`` or
-``true`` reach the wire rules as they are) and checked by :func:`request_rules` in the serving
-path, which SGLang answers with a clean 400. Plain requests parse exactly as stock.
+``drop_message`` / ``reposition`` / ``drop_rule`` are declared as sent (no pydantic coercion, so
+``"1"`` or ``true`` reach the wire rules as they are) and checked by :func:`request_rules` in the
+serving path, which SGLang answers with a clean 400. Plain requests parse exactly as stock.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from akv.system.context.rules import ContextRules, RuleError, is_plain_request, parse_rules
+from akv.system.context.drop_rule import RequestRules, is_context_request, parse_request_rules
+from akv.system.context.rules import RuleError
 
-FIELDS = ("drop_message", "reposition")
+FIELDS = ("drop_message", "reposition", "drop_rule")
 
 
 class UnknownContextField(RuleError):
@@ -29,14 +30,22 @@ def note_unknown_fields(values: Any) -> Any:
     return {**values, "akv_unknown_fields": unknown} if unknown else values
 
 
-def request_rules(request: Any) -> ContextRules | None:
+def request_rules(request: Any) -> RequestRules | None:
     """The parsed cache operations of a request, or None for a plain one; a bad or misspelt field
     raises a ``RuleError`` (``ValueError``) naming it."""
     for key in request.akv_unknown_fields or ():
-        raise UnknownContextField(key, None, "unknown field; AKV's cache operations are 'drop_message' and 'reposition'")
-    if is_plain_request(request.drop_message, request.reposition):
+        raise UnknownContextField(
+            key, None, "unknown field; AKV's cache operations are 'drop_message', 'drop_rule' and 'reposition'")
+    drop_rule = getattr(request, "drop_rule", None)
+    if not is_context_request(request.drop_message, drop_rule, request.reposition):
         return None
-    return parse_rules(request.drop_message, request.reposition, len(request.messages))
+    messages = [message_dict(m) for m in request.messages]
+    return parse_request_rules(request.drop_message, drop_rule, request.reposition, messages)
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    """A request message as the plain dict the rules read (pydantic messages are dumped)."""
+    return message.model_dump() if hasattr(message, "model_dump") else dict(message)
 
 
 def _looks_like_akv(key: str) -> bool:

@@ -3,13 +3,17 @@ program from the very prompt SGLang rendered."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from akv.system.adapter.protocol import request_rules
+from akv.system.adapter.protocol import message_dict, request_rules
+from akv.system.context.drop_rule import KeepTextDrop, RequestRules, ThinkingDrop
 from akv.system.context.program import ContextProgram
-from akv.system.context.request import compile_request
 from akv.system.context.provenance import ProvenanceError
-from akv.system.context.rules import ContextRules, RuleError, is_plain_request
+from akv.system.context.request import compile_parsed, render_inputs
+from akv.system.context.rules import RuleError, RuleShapeError
+from akv.system.context.spans import SpanError
+from akv.system.context.thinking import retain_thinking
 from akv.system.context.wire import encode_program
 
 REQUIRED_PAGE_SIZE = 1
@@ -17,7 +21,9 @@ ATTENTION_BACKENDS = ("triton", "flashinfer")
 """Attention backends that execute context requests (the first is the launcher's default)."""
 REQUIRED_RADIX_CACHE_BACKEND = "akv"
 
-_RENDER_ARGUMENTS = frozenset({"tokenizer", "messages", "drop_message", "reposition", "tools", "add_generation_prompt"})
+_RENDER_ARGUMENTS = frozenset({"tokenizer", "messages", "drop_message", "reposition", "drop_rule", "tools",
+                               "add_generation_prompt", "template"})
+_TEMPLATE_KWARG = "chat_template"  # transformers' apply_chat_template takes the template source under this name
 
 _UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
     ("speculative_algorithm", "speculative decoding"),
@@ -38,22 +44,35 @@ class UnsupportedContextRequest(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class PreparedRules:
+    """A context request's resolved rules, stored back into its ``drop_rule`` by
+    :func:`prepare_context_request` (only the server can make one; JSON cannot)."""
+
+    rules: RequestRules
+    template: str | None = None
+
+
 def error_param(error: ValueError) -> str | None:
     """The ``param`` of SGLang's 400 for an AKV refusal (None for SGLang's own errors)."""
     if isinstance(error, RuleError):
         return error.field.split("[", 1)[0]
     if isinstance(error, UnsupportedContextRequest):
         return error.param
+    if isinstance(error, SpanError):
+        return "drop_rule"
     if isinstance(error, ProvenanceError):
         return "messages"
     return None
 
 
-def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> ContextRules | None:
+def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> RequestRules | None:
     """Rules of a context request after checking it can be served, None for a plain request.
 
-    ``serving`` is SGLang's ``OpenAIServingChat``. Raises :class:`UnsupportedContextRequest`
-    (HTTP 400) naming the field or server setting in the way.
+    ``serving`` is SGLang's ``OpenAIServingChat``. ``keep_text_drop`` swaps the full messages into
+    the request; ``thinking_drop`` has SGLang render with the template that keeps historical
+    reasoning. Raises :class:`UnsupportedContextRequest` or a ``RuleError`` (HTTP 400) naming the
+    field or server setting in the way.
     """
     rules = request_rules(request)
     if rules is None:
@@ -61,9 +80,17 @@ def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> 
     _check_request_mode(request, is_multimodal)
     _check_renderer(serving.template_manager.chat_template_name, serving.chat_encoding_spec)
     _check_server(serving.tokenizer_manager.server_args)
+    template = None
+    if isinstance(rules.span, KeepTextDrop):
+        full = _validated_messages(request, rules.span.full_messages)
+        visible = [message_dict(m) for m in request.messages]
+        rendered, rules = render_inputs(visible, rules, [message_dict(m) for m in full], request.reposition)
+        if rendered is not visible:
+            request.messages = full
+    elif isinstance(rules.span, ThinkingDrop):
+        template = _thinking_template(request, serving.tokenizer_manager.tokenizer)
+    request.drop_rule = PreparedRules(rules, template)
     return rules
-
-
 def encode_context_program(program: ContextProgram | None) -> bytes | None:
     """The program's wire form for the scheduler (None for a plain request)."""
     return None if program is None else encode_program(program)
@@ -83,18 +110,26 @@ def compile_context_program(
     The attributed render must reproduce ``prompt_ids`` token for token, else
     :class:`UnsupportedContextRequest`; template ownership problems raise ``ProvenanceError``.
     """
-    if is_plain_request(request.drop_message, request.reposition):
-        return None
-    clash = sorted(set(template_kwargs) & _RENDER_ARGUMENTS)
+    prepared = getattr(request, "drop_rule", None)
+    if not isinstance(prepared, PreparedRules):
+        rules = request_rules(request)
+        if rules is None:
+            return None
+        if isinstance(rules.span, KeepTextDrop):
+            raise UnsupportedContextRequest(
+                "drop_rule: keep_text_drop needs prepare_context_request first", "drop_rule")
+        prepared = PreparedRules(rules)
+    variables = dict(template_kwargs)
+    if prepared.template is not None:
+        variables.pop(_TEMPLATE_KWARG, None)
+    clash = sorted(set(variables) & (_RENDER_ARGUMENTS | {_TEMPLATE_KWARG}))
     if clash:
         raise UnsupportedContextRequest(
             f"chat_template_kwargs[{clash[0]!r}]: collides with an argument AKV renders the template with "
-            f"({', '.join(sorted(_RENDER_ARGUMENTS))}); rename the template variable", "chat_template_kwargs"
+            f"({', '.join(sorted(_RENDER_ARGUMENTS | {_TEMPLATE_KWARG}))}); rename the template variable",
+            "chat_template_kwargs",
         )
-    compiled = compile_request(
-        tokenizer, messages, drop_message=request.drop_message, reposition=request.reposition, tools=tools,
-        **template_kwargs,
-    )
+    compiled = compile_parsed(tokenizer, messages, prepared.rules, tools=tools, template=prepared.template, **variables)
     expected = [int(t) for t in prompt_ids]
     got = compiled.program.token_ids.tolist()
     if got != expected:
@@ -105,6 +140,37 @@ def compile_context_program(
             "messages",
         )
     return compiled.program
+
+
+def _validated_messages(request: Any, full: tuple[Any, ...]) -> list[Any]:
+    """``full_messages`` parsed like ``messages`` (SGLang's pydantic message types)."""
+    fields = getattr(type(request), "model_fields", None)
+    if fields is None:
+        return list(full)
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(fields["messages"].annotation).validate_python(list(full))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"][:2])
+        raise RuleShapeError(f"drop_rule.full_messages{where}", None, f"invalid message: {first['msg']}") from exc
+
+
+def _thinking_template(request: Any, tokenizer: Any) -> str | None:
+    """The template that keeps historical reasoning, put where SGLang's render reads it (None when
+    the tokenizer's own template already does)."""
+    kwargs = dict(getattr(request, "chat_template_kwargs", None) or {})
+    if _TEMPLATE_KWARG in kwargs:
+        raise UnsupportedContextRequest(
+            f"chat_template_kwargs[{_TEMPLATE_KWARG!r}]: not supported with drop_rule thinking_drop",
+            "chat_template_kwargs")
+    source = getattr(tokenizer, "chat_template", None)
+    if not isinstance(source, str) or retain_thinking(source) == source:
+        return None
+    kwargs[_TEMPLATE_KWARG] = retain_thinking(source)
+    request.chat_template_kwargs = kwargs
+    return kwargs[_TEMPLATE_KWARG]
 
 
 def _check_request_mode(request: Any, is_multimodal: bool) -> None:

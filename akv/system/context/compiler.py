@@ -8,13 +8,15 @@ numpy step (over the tokens after the earliest new gap).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from akv.system.arrays import frozen
 from akv.system.context.program import ContextProgram, Event, EventKind, Transition
-from akv.system.context.rules import ContextRules
+from akv.system.context.rules import ContextRules, Drop
 
 _ALIVE = np.iinfo(np.int64).max
 
@@ -23,23 +25,55 @@ class ProgramError(ValueError):
     """Token ids, owners or rules cannot form a program; the message names the field and value."""
 
 
+@dataclass(frozen=True)
+class TokenDrop:
+    """After message ``anchor``: hide the token ``ranges`` (half-open, sorted, neither overlapping nor
+    touching); ``messages`` are the messages whose tokens the drop is about, in request order."""
+
+    anchor: int
+    messages: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+
 def compile_program(token_ids: Any, owners: Any, rules: ContextRules, n_messages: int) -> ContextProgram:
     """Lay out a prompt: ``owners[t]`` is the message owning token ``t`` (``n_messages`` = the reply).
 
     Owners must be non-decreasing (each message one contiguous range, in message order).
     """
-    ids = _int_vector(token_ids, "token_ids")
-    own = _int_vector(owners, "owners")
-    n = ids.shape[0]
-    if own.shape[0] != n:
-        raise ProgramError(f"owners: length {own.shape[0]} differs from token_ids length {n}")
-    _check_owners(own, n_messages)
+    ids, own = _token_vectors(token_ids, owners, n_messages)
     if not isinstance(rules, ContextRules):
         raise ProgramError(f"rules: expected ContextRules, got {type(rules).__name__}")
     if rules.max_id >= n_messages:
         raise ProgramError(f"rules: message id {rules.max_id} is out of range for {n_messages} messages")
-    events = _events(own, rules)
-    return _lay_out(ids, own, n_messages, events)
+    return _lay_out(ids, own, n_messages, _events(own, message_drops(own, rules.drops), rules.repositions))
+
+
+def compile_token_drops(
+    token_ids: Any, owners: Any, drops: Sequence[TokenDrop], repositions: Sequence[int], n_messages: int
+) -> ContextProgram:
+    """Lay out a prompt whose drops hide explicit token ranges (parts of messages, e.g. text spans).
+
+    Anchors increase, each range ends at or before its anchor's last token, and no token is hidden twice.
+    """
+    ids, own = _token_vectors(token_ids, owners, n_messages)
+    repos = tuple(repositions)
+    _check_token_drops(own, tuple(drops), repos, n_messages)
+    return _lay_out(ids, own, n_messages, _events(own, tuple(drops), repos))
+
+
+def message_drops(owners: Any, drops: Sequence[Drop]) -> tuple[TokenDrop, ...]:
+    """The token ranges each of ``drops`` hides: every token its messages own."""
+    own = np.asarray(owners, dtype=np.int64)
+    flat = np.asarray([m for d in drops for m in d.messages], dtype=np.int64)
+    starts = np.searchsorted(own, flat, side="left").tolist()
+    ends = np.searchsorted(own, flat, side="right").tolist()
+    out = []
+    k = 0
+    for drop in drops:
+        n = len(drop.messages)
+        out.append(TokenDrop(drop.anchor, drop.messages, _merge_ranges(starts[k : k + n], ends[k : k + n])))
+        k += n
+    return tuple(out)
 
 
 def append_generated(program: ContextProgram, token_ids: Any) -> ContextProgram:
@@ -65,6 +99,90 @@ def append_generated(program: ContextProgram, token_ids: Any) -> ContextProgram:
         transitions=program.transitions,
         next_position=program.next_position + k,
     )
+
+
+def merge_drops(drops: Sequence[TokenDrop]) -> tuple[TokenDrop, ...]:
+    """One drop per anchor, in anchor order: its ranges united, less the tokens an earlier anchor
+    already hides (a message whose reasoning went earlier can still be dropped whole later)."""
+    by_anchor: dict[int, list[TokenDrop]] = {}
+    for drop in drops:
+        by_anchor.setdefault(drop.anchor, []).append(drop)
+    hidden: list[tuple[int, int]] = []
+    out = []
+    for anchor in sorted(by_anchor):
+        group = by_anchor[anchor]
+        ranges = _subtract(_union([r for d in group for r in d.ranges]), hidden)
+        hidden = list(_union(hidden + list(ranges)))
+        out.append(TokenDrop(anchor, tuple(sorted({m for d in group for m in d.messages})), ranges))
+    return tuple(out)
+
+
+def _union(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[list[int]] = []
+    for s, e in sorted(ranges):
+        if s >= e:
+            continue
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return tuple((s, e) for s, e in merged)
+
+
+def _subtract(ranges: tuple[tuple[int, int], ...], hidden: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out = []
+    for s, e in ranges:
+        for hs, he in hidden:
+            if he <= s or hs >= e:
+                continue
+            if hs > s:
+                out.append((s, hs))
+            s = max(s, he)
+        if s < e:
+            out.append((s, e))
+    return _union(out)
+
+
+def _token_vectors(token_ids: Any, owners: Any, n_messages: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = _int_vector(token_ids, "token_ids")
+    own = _int_vector(owners, "owners")
+    if own.shape[0] != ids.shape[0]:
+        raise ProgramError(f"owners: length {own.shape[0]} differs from token_ids length {ids.shape[0]}")
+    _check_owners(own, n_messages)
+    return ids, own
+
+
+def _check_token_drops(
+    owners: np.ndarray, drops: tuple[TokenDrop, ...], repositions: tuple[int, ...], n_messages: int
+) -> None:
+    previous_anchor, previous_end = -1, 0
+    for j, drop in enumerate(drops):
+        field = f"drops[{j}]"
+        if not isinstance(drop, TokenDrop):
+            raise ProgramError(f"{field}: expected a TokenDrop, got {type(drop).__name__}")
+        if type(drop.anchor) is not int or not previous_anchor < drop.anchor < n_messages:
+            raise ProgramError(f"{field}.anchor: anchor {drop.anchor!r} does not follow {previous_anchor} "
+                               f"within {n_messages} messages")
+        previous_anchor = drop.anchor
+        if not drop.messages or any(type(m) is not int or not 0 <= m <= drop.anchor for m in drop.messages):
+            raise ProgramError(
+                f"{field}.messages: {drop.messages!r} must be message ids up to the anchor {drop.anchor}")
+        at = int(np.searchsorted(owners, drop.anchor, side="right"))
+        for i, (start, end) in enumerate(drop.ranges):
+            if not (type(start) is int and type(end) is int and previous_end <= start < end <= at):
+                raise ProgramError(
+                    f"{field}.ranges[{i}]: range {(start, end)!r} must be non-empty, after token {previous_end} "
+                    f"(earlier ranges) and end by token {at} (the anchor's end)"
+                )
+            previous_end = end + 1 if i + 1 < len(drop.ranges) else end
+        previous_end = 0
+    for i, anchor in enumerate(repositions):
+        if type(anchor) is not int or not 0 <= anchor < n_messages or (i and anchor <= repositions[i - 1]):
+            raise ProgramError(f"repositions[{i}]: anchor {anchor!r} must increase within {n_messages} messages")
+    spans = sorted(r for d in drops for r in d.ranges)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise ProgramError(f"drops: token {start} is hidden by two drops")
 
 
 def _int_vector(value: Any, field: str) -> np.ndarray:
@@ -101,21 +219,15 @@ def _check_owners(owners: np.ndarray, n_messages: int) -> None:
         )
 
 
-def _events(owners: np.ndarray, rules: ContextRules) -> tuple[Event, ...]:
-    """Events in stream order; ``rules`` keeps anchors sorted, so grouping by anchor suffices."""
-    anchors = [d.anchor for d in rules.drops] + list(rules.repositions)
+def _events(owners: np.ndarray, drops: tuple[TokenDrop, ...], repositions: tuple[int, ...]) -> tuple[Event, ...]:
+    """Events in stream order; anchors are sorted, so grouping by anchor suffices."""
+    anchors = [d.anchor for d in drops] + list(repositions)
     ats = np.searchsorted(owners, np.asarray(anchors, dtype=np.int64), side="right").tolist()
-    flat = np.asarray([m for d in rules.drops for m in d.messages], dtype=np.int64)
-    starts = np.searchsorted(owners, flat, side="left").tolist()
-    ends = np.searchsorted(owners, flat, side="right").tolist()
     by_anchor: dict[int, list[Event]] = {}
-    k = 0
-    for i, drop in enumerate(rules.drops):
-        n = len(drop.messages)
-        ranges = _merge_ranges(starts[k : k + n], ends[k : k + n])
-        k += n
-        by_anchor.setdefault(drop.anchor, []).append(Event(EventKind.DROP, ats[i], drop.anchor, drop.messages, ranges))
-    for j, anchor in enumerate(rules.repositions, start=len(rules.drops)):
+    for i, drop in enumerate(drops):
+        by_anchor.setdefault(drop.anchor, []).append(
+            Event(EventKind.DROP, ats[i], drop.anchor, drop.messages, drop.ranges))
+    for j, anchor in enumerate(repositions, start=len(drops)):
         by_anchor.setdefault(anchor, []).append(Event(EventKind.REPOS, ats[j], anchor))
     return tuple(e for anchor in sorted(by_anchor) for e in by_anchor[anchor])
 

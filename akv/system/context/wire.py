@@ -8,7 +8,9 @@ Layout (little-endian): ``b"AKVP"``, u16 version, u16 flags (0), u32 ``n_tokens`
 ``n_messages``, ``n_drops``, ``n_dropped``, ``n_repos``; then int32 arrays ``token_ids[n_tokens]``,
 ``counts[n_messages + 1]`` (prompt tokens per owner, the last one being the reply),
 ``drop_anchors[n_drops]``, ``drop_sizes[n_drops]``, ``dropped[n_dropped]``, ``repos[n_repos]``;
-then an 8-byte BLAKE2b digest of everything before it.
+then, when flag bit 0 (``RANGES``) is set, because some drop hides part of a message (a text span)
+rather than whole messages: ``n_ranges``, ``range_counts[n_drops]`` and ``ranges[2 * n_ranges]``
+(half-open token ranges of each drop, in order); then an 8-byte BLAKE2b digest of everything before it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,20 @@ import struct
 
 import numpy as np
 
-from akv.system.context.compiler import ProgramError, append_generated, compile_program
+from akv.system.context.compiler import (
+    ProgramError,
+    TokenDrop,
+    append_generated,
+    compile_program,
+    compile_token_drops,
+    message_drops,
+)
 from akv.system.context.program import ContextProgram, EventKind
 from akv.system.context.rules import ContextRules, Drop, RuleError
 
 MAGIC = b"AKVP"
 VERSION = 1
+RANGES = 1
 _HEADER = struct.Struct("<4sHHIIIIII")
 _DIGEST = 8
 _INT32_MAX = np.iinfo(np.int32).max
@@ -48,10 +58,13 @@ def encode_program(program: ContextProgram) -> bytes:
     drops = [e for e in program.events if e.kind is EventKind.DROP]
     repos = [e.anchor for e in program.events if e.kind is EventKind.REPOS]
     dropped = [m for e in drops for m in e.messages]
+    whole = message_drops(program.owners[:n_prompt], [Drop(e.anchor, e.messages) for e in drops])
+    flags = 0 if [d.ranges for d in whole] == [e.ranges for e in drops] else RANGES
     body = b"".join(
         [
             _HEADER.pack(
-                MAGIC, VERSION, 0, program.n_tokens, n_prompt, program.n_messages, len(drops), len(dropped), len(repos)
+                MAGIC, VERSION, flags, program.n_tokens, n_prompt, program.n_messages, len(drops), len(dropped),
+                len(repos)
             ),
             _int32(program.token_ids),
             _int32(counts),
@@ -59,6 +72,7 @@ def encode_program(program: ContextProgram) -> bytes:
             _int32([len(e.messages) for e in drops]),
             _int32(dropped),
             _int32(repos),
+            _ranges(drops) if flags else b"",
         ]
     )
     return body + _digest(body)
@@ -76,10 +90,16 @@ def decode_program(data: bytes) -> ContextProgram:
         raise WireError(f"magic: {magic!r} is not {MAGIC!r}")
     if version != VERSION:
         raise WireError(f"version: {version} is not supported (expected {VERSION})")
-    if flags != 0:
-        raise WireError(f"flags: {flags} must be 0")
+    if flags not in (0, RANGES):
+        raise WireError(f"flags: {flags} must be 0 or {RANGES}")
     sizes = [n_tokens, n_messages + 1, n_drops, n_drops, n_dropped, n_repos]
     expected = _HEADER.size + 4 * sum(sizes) + _DIGEST
+    n_ranges = 0
+    if flags:
+        at = expected - _DIGEST
+        n_ranges = struct.unpack_from("<I", data, at)[0] if len(data) >= at + 4 else 0
+        sizes += [1, n_drops, 2 * n_ranges]
+        expected += 4 * (1 + n_drops + 2 * n_ranges)
     if len(data) != expected:
         raise WireError(f"data: {len(data)} bytes, the header announces {expected}")
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
@@ -90,7 +110,7 @@ def decode_program(data: bytes) -> ContextProgram:
     for size in sizes:
         arrays.append(np.frombuffer(body, dtype=_I32, count=size, offset=offset).astype(np.int64))
         offset += 4 * size
-    token_ids, counts, anchors, drop_sizes, dropped, repos = arrays
+    token_ids, counts, anchors, drop_sizes, dropped, repos = arrays[:6]
     if n_prompt > n_tokens:
         raise WireError(f"n_prompt: {n_prompt} exceeds n_tokens {n_tokens}")
     if np.any(counts < 0) or int(counts.sum()) != n_prompt:
@@ -98,19 +118,41 @@ def decode_program(data: bytes) -> ContextProgram:
     if np.any(drop_sizes < 1) or int(drop_sizes.sum()) != n_dropped:
         raise WireError(f"drop_sizes: each drop needs at least one message and the sizes must sum to {n_dropped}")
     splits = np.cumsum(drop_sizes)[:-1]
+    messages = [tuple(int(m) for m in msgs) for msgs in np.split(dropped, splits)]
     try:
-        rules = ContextRules(
-            drops=tuple(
-                Drop(int(a), tuple(int(m) for m in msgs))
-                for a, msgs in zip(anchors.tolist(), np.split(dropped, splits))
-            ),
-            repositions=tuple(int(r) for r in repos.tolist()),
-        )
         owners = np.repeat(np.arange(n_messages + 1, dtype=np.int64), counts)
-        program = compile_program(token_ids[:n_prompt], owners, rules, n_messages)
+        if flags:
+            program = compile_token_drops(
+                token_ids[:n_prompt], owners, _token_drops(anchors, messages, arrays[7], arrays[8], n_ranges),
+                tuple(int(r) for r in repos.tolist()), n_messages,
+            )
+        else:
+            rules = ContextRules(
+                drops=tuple(Drop(int(a), msgs) for a, msgs in zip(anchors.tolist(), messages)),
+                repositions=tuple(int(r) for r in repos.tolist()),
+            )
+            program = compile_program(token_ids[:n_prompt], owners, rules, n_messages)
         return append_generated(program, token_ids[n_prompt:])
     except (RuleError, ProgramError) as err:
         raise WireError(f"program: {err}") from err
+
+
+def _ranges(drops: list) -> bytes:
+    flat = [x for e in drops for r in e.ranges for x in r]
+    return _int32([len(flat) // 2]) + _int32([len(e.ranges) for e in drops]) + _int32(flat)
+
+
+def _token_drops(
+    anchors: np.ndarray, messages: list[tuple[int, ...]], counts: np.ndarray, flat: np.ndarray, n_ranges: int
+) -> tuple[TokenDrop, ...]:
+    if np.any(counts < 0) or int(counts.sum()) != n_ranges:
+        raise WireError(f"range_counts: each count must be non-negative and they must sum to n_ranges {n_ranges}")
+    pairs = [(int(s), int(e)) for s, e in flat.reshape(-1, 2).tolist()]
+    bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    return tuple(
+        TokenDrop(int(a), msgs, tuple(pairs[bounds[i] : bounds[i + 1]]))
+        for i, (a, msgs) in enumerate(zip(anchors.tolist(), messages))
+    )
 
 
 def _int32(values: object) -> bytes:

@@ -21,9 +21,11 @@ import torch
 from akv.agent.templating import template_content_format
 from akv.system.cache import ActiveRequest, CacheCore, CacheFull, SlotPool
 from akv.system.cache.occurrence import cold_plan
-from akv.system.context.compiler import ProgramError, compile_program
+from akv.system.context.compiler import ProgramError
 from akv.system.context.program import ContextProgram
-from akv.system.context.provenance import ChatTemplate, token_provenance
+from akv.system.context.provenance import ChatTemplate, chat_template, token_provenance
+from akv.system.context.request import compile_rules, template_for
+from akv.system.context.spans import SpanError
 from akv.system.reference.executor import PagedKV, run_prefill
 from akv.system.reference.loading import load_reference_model
 from akv.system.reference.paged import forward_paged
@@ -81,10 +83,15 @@ class Engine:
         """Render and compile; every problem with the request raises :class:`RequestError`."""
         messages = list(request.messages)
         try:
-            owned = self.template.render_owned(messages, tools=list(request.tools) or None,
-                                               add_generation_prompt=True, **request.template_kwargs)
+            source = template_for(request.rules, self.files.chat_template)
+            template = self.template if source == self.files.chat_template else chat_template(source)
+            tools = list(request.tools) or None
+            owned = template.render_owned(messages, tools=tools, add_generation_prompt=True, **request.template_kwargs)
             provenance = token_provenance(owned, self.files.tokenizer)
-            program = compile_program(provenance.token_ids, provenance.owners, request.rules, len(messages))
+            program = compile_rules(provenance, messages, request.rules, lambda variant: template.render(
+                variant, tools=tools, add_generation_prompt=True, **request.template_kwargs))
+        except SpanError as exc:
+            raise RequestError("drop_rule", _type_of(request), f"cannot place the drop_rule: {exc}") from exc
         except ProgramError as exc:
             raise RequestError("messages", f"{len(messages)} messages", f"cannot compile the request: {exc}") from exc
         except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:  # input the template cannot take
@@ -187,6 +194,10 @@ class Engine:
 
     def _choice(self, token_id: int, logprob: float) -> TokenChoice:
         return TokenChoice(token_id, self.files.tokenizer.decode([token_id], skip_special_tokens=False), logprob)
+
+
+def _type_of(request: ChatRequest) -> str:
+    return type(request.rules.span).__name__
 
 
 def _content_format(chat_template: str) -> str:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from akv.agent.templating import TemplateInputError, template_messages, template_tools
-from akv.system.context.rules import ContextRules, RuleError, is_plain_request, parse_rules
+from akv.system.context.drop_rule import KeepTextDrop, RequestRules, is_context_request, parse_request_rules
+from akv.system.context.request import render_inputs
+from akv.system.context.rules import RuleError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
@@ -73,12 +75,12 @@ class Sampling:
 class ChatRequest:
     """A validated request. ``messages`` and ``tools`` are exactly what SGLang 0.5.16 hands the chat
     template (:func:`akv.agent.templating.template_messages` / ``template_tools``; no tools for
-    ``tool_choice: "none"``)."""
+    ``tool_choice: "none"``); for ``keep_text_drop`` ``messages`` are the full messages rendered."""
 
     model: str
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...]
-    rules: ContextRules
+    rules: RequestRules
     is_context: bool
     sampling: Sampling
     stream: bool
@@ -101,9 +103,6 @@ def parse_chat_request(body: Any, served_model: str, content_format: str = "stri
     for key, (neutral, types) in NEUTRAL_FIELDS.items():
         if key in body and not (type(body[key]) in types and body[key] == neutral):
             raise RequestError(key, body[key], f"only {neutral!r} is supported by the reference server")
-    if body.get("drop_rule") is not None:
-        raise RequestError("drop_rule", _short(body["drop_rule"]), "drop_rule is not supported; use drop_message")
-
     model = body.get("model")
     if model != served_model:
         raise RequestError("model", model, f"this server serves {served_model!r}")
@@ -113,12 +112,15 @@ def parse_chat_request(body: Any, served_model: str, content_format: str = "stri
         raise RequestError("tool_choice", _short(tool_choice), "only 'auto' and 'none' are supported")
     tools = _tools(body.get("tools"), tool_choice)
 
-    drop_message, reposition = body.get("drop_message"), body.get("reposition")
+    drop_message, drop_rule, reposition = body.get("drop_message"), body.get("drop_rule"), body.get("reposition")
     try:
-        rules = parse_rules(drop_message, reposition, len(messages))
+        rules = parse_request_rules(drop_message, drop_rule, reposition, messages)
+        full = _full_messages(rules, content_format)
+        rendered, rules = render_inputs(messages, rules, full, reposition)
     except RuleError as exc:
-        raise RequestError(exc.field, exc.value, str(exc).split(": ", 1)[-1]) from exc
-    is_context = not is_plain_request(drop_message, reposition)
+        raise RequestError(exc.field, _short(exc.value), str(exc).split(": ", 1)[-1]) from exc
+    messages = tuple(rendered)
+    is_context = is_context_request(drop_message, drop_rule, reposition)
 
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
@@ -162,6 +164,16 @@ def parse_chat_request(body: Any, served_model: str, content_format: str = "stri
         top_logprobs=top_logprobs,
         template_kwargs=dict(kwargs),
     )
+
+
+def _full_messages(rules: RequestRules, content_format: str) -> tuple[dict[str, Any], ...] | None:
+    """``keep_text_drop``'s full messages, validated like ``messages`` (fields named under drop_rule)."""
+    if not isinstance(rules.span, KeepTextDrop):
+        return None
+    try:
+        return _messages(list(rules.span.full_messages), content_format)
+    except RequestError as exc:
+        raise RequestError("drop_rule.full_" + exc.field, exc.value, str(exc).split(": ", 1)[-1]) from exc
 
 
 def _messages(value: Any, content_format: str) -> tuple[dict[str, Any], ...]:
