@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 LOGIT_TOLERANCE = 1e-5
 MODES = {
     "normal-chunk4": {"chunk": 4},
-    "normal-chunk64": {"chunk": 64},
+    "normal-chunk64": {"chunk": 64, "env": {"AKV_TP_PLAN_CHECK": "1"}},  # the TP plan check's path at world size 1
     "overlap-chunk4": {"chunk": 4, "overlap": True},
 }
 

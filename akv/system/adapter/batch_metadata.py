@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from akv.system.adapter import tp_check
 from akv.system.adapter.context_request import VISIBLE_ALWAYS, AkvRequest
 from akv.system.cache.plan import CopyJob
 from akv.system.kernels import VisibleUntil, decode_kv_indices, extend_kv_indices
@@ -148,6 +149,8 @@ def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], qu
     def dev(values: Any, dtype: torch.dtype) -> torch.Tensor:
         return _to_device(np.asarray(values, dtype=np.int64), device, dtype)
 
+    tp_check.check_plan(positions, np.asarray(rows), np.asarray(queries), np.asarray(prefix),
+                        *(getattr(job, name) for job in copies for name in ("src", "dst", "new_positions")))
     visibility = VisibleUntil(visible_until=cache.visibility.table, rows=dev(rows, torch.int64),
                               query_index=dev(queries, torch.int64))
     batch_copies = None
