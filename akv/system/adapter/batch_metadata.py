@@ -34,11 +34,14 @@ class CopyBatch:
 @dataclass(frozen=True)
 class AkvForward:
     """A forward's AKV inputs: ``positions`` per token; per entry (request) the ``visible_until``
-    table row and the index of its first query; the copies to run before attention."""
+    table row and the index of its first query; the copies to run before attention;
+    ``key_positions``, for models with sliding-window layers, the position of every column
+    (:class:`akv.system.adapter.window_lists.PositionTable`, rows as in ``visibility``)."""
 
     positions: torch.Tensor
     visibility: VisibleUntil
     copies: CopyBatch | None
+    key_positions: torch.Tensor | None = None
 
 
 class VisibilityTable:
@@ -93,6 +96,8 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
         else:
             if lo == state.first_start:
                 cache.visibility.write(req.req_pool_idx, state)
+            if cache.positions is not None and lo == state.current(lo).start:
+                cache.positions.write_segment(req.req_pool_idx, state.current(lo))
             state.bind(cache.core, lo, slots[offset : offset + ext])
             req.cached_tokens = state.first_usage.cached_tokens
             positions.append(state.round_positions(lo, hi))
@@ -125,6 +130,8 @@ def for_decode(batch: Any) -> AkvForward | None:
             table[req.req_pool_idx, torch.from_numpy(tokens).to(table.device)] = torch.from_numpy(slots).to(
                 table.device, table.dtype)
             state.terminal_written = True
+            if cache.positions is not None:
+                cache.positions.write_terminal(req.req_pool_idx, state.active.plan.terminal, state.program.n_tokens)
             if job is not None:
                 copies.append(job)
         offsets.append(state.decode_offset())
@@ -144,7 +151,9 @@ def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], qu
     if copies:
         cat = lambda name: dev(np.concatenate([getattr(job, name) for job in copies]), torch.int64)  # noqa: E731
         batch_copies = CopyBatch(cat("src"), cat("dst"), cat("old_positions"), cat("new_positions"))
-    return AkvForward(positions=dev(positions, torch.int64), visibility=visibility, copies=batch_copies)
+    key_positions = None if cache.positions is None else cache.positions.table
+    return AkvForward(positions=dev(positions, torch.int64), visibility=visibility, copies=batch_copies,
+                      key_positions=key_positions)
 
 
 def triton_kv_lists(forward_batch: Any, req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
