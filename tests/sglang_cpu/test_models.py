@@ -10,6 +10,7 @@ NeoX RoPE on 64 of 128 dims, QK norm over all heads) checks re-rotation of the r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,9 @@ import pytest
 import torch
 
 from akv.system.cache.occurrence import cold_plan
-from akv.system.reference.gpt_oss import GptOssReferenceModel
+from akv.system.reference.gpt_oss import GptOssConfig, GptOssReferenceModel
 from akv.system.reference.minimax_m2 import MiniMaxM2Model
+from akv.system.reference.model import read_model_dir
 
 from . import scenarios
 from .conftest import serve
@@ -29,6 +31,18 @@ from .test_scheduler import assert_exact, assert_pool_back
 pytestmark = pytest.mark.slow
 WINDOW = 8
 GPT_OSS_ARGS = {"disable_hybrid_swa_memory": True}
+# SGLang's gpt-oss in FP32 on the CPU vs the oracle, plain extend (logit std ~6): measured 3e-5 to
+# 8e-5 (its MoE sums in another order), with the sinks rounded as SGLang holds them
+GPT_OSS_TOLERANCE = 3e-4
+
+
+def gpt_oss_oracle(model_dir: Path) -> GptOssReferenceModel:
+    """The oracle of the model SGLang serves: SGLang keeps the attention sinks in bf16 (float32 only
+    for the trtllm_mha backend), so the oracle reads them rounded to bf16."""
+    raw, weights = read_model_dir(model_dir)
+    weights = {name: w.to(torch.bfloat16).float() if name.endswith("self_attn.sinks") else w
+               for name, w in weights.items()}
+    return GptOssReferenceModel(GptOssConfig.from_dict(raw), weights)
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +101,19 @@ def gpt_oss_run(patched_site: Path, gpt_oss_tiny: Path) -> tuple[list, dict]:
 
 def test_gpt_oss_context_requests_equal_the_oracle(gpt_oss_run: tuple[list, dict], gpt_oss_tiny: Path) -> None:
     waves, report = gpt_oss_run
-    model = GptOssReferenceModel.from_pretrained(gpt_oss_tiny)
+    model = gpt_oss_oracle(gpt_oss_tiny)
     for wave in waves:
         for request in wave:
             if request.program is not None:
-                assert_exact(model, request, report["results"][request.rid])
+                assert_exact(model, request, report["results"][request.rid], tolerance=GPT_OSS_TOLERANCE)
     assert_pool_back(report)
 
 
 def test_gpt_oss_plain_requests_are_stock_alone_and_in_mixed_batches(
         gpt_oss_run: tuple[list, dict], patched_site: Path, gpt_oss_tiny: Path) -> None:
     """Plain requests keep stock SGLang's sliding window (whose triton decode reads one key fewer
-    than the oracle, sgl-project/sglang#32087), whether or not a context request shares the batch."""
+    than the oracle, sgl-project/sglang#32087), whether or not a context request shares the batch:
+    the same tokens, logits within the FP32 noise of a different batch (1e-5 at logit std 6)."""
     waves, report = gpt_oss_run
     plain = [[r for r in wave if r.program is None] for wave in waves]
     plain = [wave for wave in plain if wave]
@@ -109,7 +124,7 @@ def test_gpt_oss_plain_requests_are_stock_alone_and_in_mixed_batches(
             assert got["ids"] == want["ids"], request.rid
             for g, row in want["logits"].items():
                 err = float((torch.tensor(got["logits"][g]) - torch.tensor(row)).abs().max())
-                assert err <= 1e-5, f"{request.rid}: logits of token {g} off stock by {err:.2e}"
+                assert err <= 1e-4, f"{request.rid}: logits of token {g} off stock by {err:.2e}"
     mixed = [b for b in report["batches"] if "mixed-plain" in b and any(r.startswith("mixed-ctx") for r in b)]
     assert mixed, "the concurrent wave never put a context and a plain request in one forward"
 
@@ -145,8 +160,14 @@ def test_minimax_rope_table_rotates_only_rotary_dim(minimax_tiny: Path) -> None:
     """The copy executor's table, read from SGLang's MiniMax-M2 rotary embedding: 64 of 128 dims."""
     from akv.system.kernels import RopeSpec
 
-    import json
-
     spec = RopeSpec.from_config(json.loads((minimax_tiny / "config.json").read_text()))
     assert (spec.rotary_dim, spec.head_dim, spec.neox) == (64, 128, True)
     assert np.isclose(spec.theta, 5_000_000.0)
+
+
+def test_gpt_oss_with_hybrid_swa_memory_is_refused_at_startup(patched_site: Path, gpt_oss_tiny: Path) -> None:
+    """SGLang's default for gpt-oss frees sliding-layer KV that left the window; the AKV cache
+    refuses to start on it and names the flag."""
+    waves = [[Conversation(43).add(6, 5).request("never-served")]]
+    with pytest.raises(AssertionError, match="--disable-hybrid-swa-memory"):
+        serve(patched_site, gpt_oss_tiny, scenarios.job(waves), chunk=64, server_args={"disable_hybrid_swa_memory": False})
