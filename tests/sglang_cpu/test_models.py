@@ -109,6 +109,21 @@ def test_gpt_oss_context_requests_equal_the_oracle(gpt_oss_run: tuple[list, dict
     assert_pool_back(report)
 
 
+def test_gpt_oss_in_the_overlap_loop_with_rounds_of_4(patched_site: Path, gpt_oss_tiny: Path) -> None:
+    """Chunked-prefill rounds inside segments, each cut from its own first query's window."""
+    waves = [wave for wave in gpt_oss_waves() if any(r.program is not None for r in wave)]
+    report = serve(patched_site, gpt_oss_tiny, scenarios.job(waves), chunk=4, overlap=True, server_args=GPT_OSS_ARGS)
+    model = gpt_oss_oracle(gpt_oss_tiny)
+    for wave in waves:
+        for request in wave:
+            result = report["results"][request.rid]
+            if request.program is None:
+                assert result["finished"]["type"] == "length", request.rid
+            else:
+                assert_exact(model, request, result, tolerance=GPT_OSS_TOLERANCE)
+    assert_pool_back(report)
+
+
 def test_gpt_oss_plain_requests_are_stock_alone_and_in_mixed_batches(
         gpt_oss_run: tuple[list, dict], patched_site: Path, gpt_oss_tiny: Path) -> None:
     """Plain requests keep stock SGLang's sliding window (whose triton decode reads one key fewer
