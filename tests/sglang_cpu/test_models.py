@@ -185,4 +185,5 @@ def test_gpt_oss_with_hybrid_swa_memory_is_refused_at_startup(patched_site: Path
     refuses to start on it and names the flag."""
     waves = [[Conversation(43).add(6, 5).request("never-served")]]
     with pytest.raises(AssertionError, match="--disable-hybrid-swa-memory"):
-        serve(patched_site, gpt_oss_tiny, scenarios.job(waves), chunk=64, server_args={"disable_hybrid_swa_memory": False})
+        serve(patched_site, gpt_oss_tiny, scenarios.job(waves), chunk=64,
+              server_args={"disable_hybrid_swa_memory": False})

@@ -242,6 +242,6 @@ def build(ctx: Any) -> AkvRadixCache:
         raise ValueError(f"model_type {config.get('model_type')!r}: layers with a recurrent state instead of "
                          "per-token KV cannot drop or reposition messages; the AKV cache needs softmax attention")
     if ctx.is_hybrid_swa:
-        raise ValueError("is_hybrid_swa: the AKV cache needs every layer's KV kept for every token; "
-                         "start the server with --disable-hybrid-swa-memory (python -m akv.system.launch_server adds it)")
+        raise ValueError("is_hybrid_swa: the AKV cache needs every layer's KV kept for every token; start the "
+                         "server with --disable-hybrid-swa-memory (python -m akv.system.launch_server adds it)")
     return AkvRadixCache(ctx.params, window=window_from_radius(ctx.tp_worker.sliding_window_size))
