@@ -102,10 +102,14 @@ def gpt_oss_run(patched_site: Path, gpt_oss_tiny: Path) -> tuple[list, dict]:
 def test_gpt_oss_context_requests_equal_the_oracle(gpt_oss_run: tuple[list, dict], gpt_oss_tiny: Path) -> None:
     waves, report = gpt_oss_run
     model = gpt_oss_oracle(gpt_oss_tiny)
+    repositioned = 0
     for wave in waves:
         for request in wave:
             if request.program is not None:
-                assert_exact(model, request, report["results"][request.rid], tolerance=GPT_OSS_TOLERANCE)
+                result = report["results"][request.rid]
+                assert_exact(model, request, result, tolerance=GPT_OSS_TOLERANCE)
+                repositioned += int(result["details"]["repos_tokens"])
+    assert repositioned > 0, "no request read a re-rotated (YaRN) copy"
     assert_pool_back(report)
 
 
