@@ -1,10 +1,10 @@
 """Start the patched SGLang server with the settings AKV's first configuration needs.
 
 ``python -m akv.system.launch_server [SGLang flags]`` checks that the installed SGLang is the AKV
-build, adds ``--page-size 1``, ``--attention-backend triton`` and ``--radix-cache-backend akv``
-unless given (``--attention-backend flashinfer`` is the other backend that executes context
-requests), refuses flags that contradict them (and a disabled radix cache or chunked prefill), and
-hands every flag to SGLang's own launcher.
+build, adds ``--page-size 1``, ``--attention-backend triton``, ``--radix-cache-backend akv`` and
+``--disable-hybrid-swa-memory`` unless given (``--attention-backend flashinfer`` is the other backend
+that executes context requests), refuses flags that contradict them (and a disabled radix cache or
+chunked prefill), and hands every flag to SGLang's own launcher.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "--decode-attention-backend": ATTENTION_BACKENDS,
 }
 """Flags that may be given but only with one of these values."""
+
+AKV_SWITCHES: tuple[str, ...] = ("--disable-hybrid-swa-memory",)
+"""Switches added when absent. Hybrid SWA memory (gpt-oss's default) frees the KV of sliding-layer
+keys that left the window, which a Drop brings back into it."""
 
 _SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag in ALLOWED}
 
@@ -83,6 +87,8 @@ def apply_akv_defaults(argv: list[str]) -> list[str]:
     while i < len(argv):
         arg = argv[i]
         flag, sep, value = arg.partition("=")
+        if flag in AKV_SWITCHES and sep:
+            raise LaunchError(f"{flag} is a switch and takes no value, got {value!r}")
         if flag in ALLOWED:
             if not sep:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
@@ -93,7 +99,8 @@ def apply_akv_defaults(argv: list[str]) -> list[str]:
             given[flag] = value
         i += 1
     missing = [item for flag, value in AKV_DEFAULTS.items() if flag not in given for item in (flag, value)]
-    return list(argv) + missing
+    switches = [flag for flag in AKV_SWITCHES if flag not in argv]
+    return list(argv) + missing + switches
 
 
 def _require(flag: str, value: Any) -> None:
@@ -122,6 +129,9 @@ def check_server_args(server_args: Any) -> None:
                           "chunked-prefill rounds (leave the flag out or give a positive size)")
     if server_args.disable_radix_cache:
         raise LaunchError("--disable-radix-cache conflicts with AKV: every request is served from its radix cache")
+    if not server_args.disable_hybrid_swa_memory:
+        raise LaunchError("disable_hybrid_swa_memory False conflicts with AKV: hybrid SWA memory frees sliding-layer "
+                          "KV that a Drop brings back into the window (give --disable-hybrid-swa-memory)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ detokenizer. Per request the result holds the output ids, the usage SGLang repor
 next-token logits of every forward that predicts a generated token (keyed by its index).
 
 Test-side setup only (nothing here changes SGLang): the torchvision shim, the Triton interpreter
-with its numpy scalar fix, and the flag that keeps ``RotaryEmbedding`` off vllm's CPU kernel.
+with its numpy scalar fix, the flag that keeps ``RotaryEmbedding`` off vllm's CPU kernel, and
+MiniMax-M2's QK norm on the CPU (``cpu_models``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ import sglang.srt.layers.rotary_embedding.base as rotary_base  # noqa: E402
 
 rotary_base._is_cpu = True  # RotaryEmbedding.forward_native instead of vllm's CPU kernel
 
+import cpu_models  # noqa: E402
+
+cpu_models.install()  # MiniMax-M2's QK norm without its CUDA-only wrappers
+
 from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput, sock_send  # noqa: E402
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -67,12 +72,13 @@ from sglang.srt.server_args import PortArgs, ServerArgs, set_global_server_args_
 class Driver:
     """One scheduler, its loop thread, the request socket and everything captured."""
 
-    def __init__(self, model: str, overlap: bool, chunk: int, backend: str | None, max_total_tokens: int) -> None:
+    def __init__(self, model: str, overlap: bool, chunk: int, backend: str | None, max_total_tokens: int,
+                 extra_args: dict[str, Any]) -> None:
         args = ServerArgs(
             model_path=model, device="cpu", attention_backend="triton", sampling_backend="pytorch", page_size=1,
             dtype="float32", disable_cuda_graph=True, disable_overlap_schedule=not overlap,
             chunked_prefill_size=chunk, max_total_tokens=max_total_tokens, max_running_requests=8,
-            skip_server_warmup=True, radix_cache_backend=backend, mem_fraction_static=0.5,
+            skip_server_warmup=True, radix_cache_backend=backend, mem_fraction_static=0.5, **extra_args,
         )
         set_global_server_args_for_scheduler(args)
         ports = PortArgs.init_new(args)
@@ -199,7 +205,8 @@ def main() -> None:
     if job.get("flashinfer_probe"):
         flashinfer_probe.install()
     started = time.time()
-    driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096))
+    driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096),
+                    job.get("server_args", {}))
     report: dict[str, Any] = {"startup_s": round(time.time() - started, 1), "waves": []}
     for wave in job["waves"]:
         t = time.time()

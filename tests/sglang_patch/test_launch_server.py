@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_defaults_are_added_and_other_flags_pass_through_in_order() -> None:
     argv = ["--model-path", "/m", "--port", "30001", "--tool-call-parser", "qwen"]
     assert ls.apply_akv_defaults(argv) == argv + ["--page-size", "1", "--attention-backend", "triton",
-                                                  "--radix-cache-backend", "akv"]
+                                                  "--radix-cache-backend", "akv", "--disable-hybrid-swa-memory"]
 
 
 @pytest.mark.parametrize(
@@ -31,8 +31,14 @@ def test_defaults_are_added_and_other_flags_pass_through_in_order() -> None:
     ],
 )
 def test_agreeing_flags_are_kept_once(argv: list[str]) -> None:
-    out = ls.apply_akv_defaults(["--model-path", "/m", *argv])
-    assert out == ["--model-path", "/m", *argv]
+    given = [*argv, "--disable-hybrid-swa-memory"]
+    out = ls.apply_akv_defaults(["--model-path", "/m", *given])
+    assert out == ["--model-path", "/m", *given]
+
+
+def test_a_value_on_the_hybrid_swa_switch_is_refused() -> None:
+    with pytest.raises(ls.LaunchError, match="--disable-hybrid-swa-memory is a switch"):
+        ls.apply_akv_defaults(["--model-path", "/m", "--disable-hybrid-swa-memory=false"])
 
 
 @pytest.mark.parametrize(
@@ -63,7 +69,7 @@ def test_flag_without_value_is_refused(argv: list[str]) -> None:
 def test_parsed_server_args_are_checked_too() -> None:
     ok = SimpleNamespace(page_size=1, attention_backend="triton", prefill_attention_backend=None,
                          decode_attention_backend="triton", radix_cache_backend="akv", chunked_prefill_size=None,
-                         disable_radix_cache=False)
+                         disable_radix_cache=False, disable_hybrid_swa_memory=True)
     ls.check_server_args(ok)
     ls.check_server_args(SimpleNamespace(**{**vars(ok), "attention_backend": "flashinfer",
                                             "decode_attention_backend": "flashinfer"}))
@@ -80,6 +86,7 @@ def test_parsed_server_args_are_checked_too() -> None:
     for field, value, message in [
         ("chunked_prefill_size", -1, "--chunked-prefill-size -1 conflicts with AKV"),
         ("disable_radix_cache", True, "--disable-radix-cache conflicts with AKV"),
+        ("disable_hybrid_swa_memory", False, "disable_hybrid_swa_memory False conflicts with AKV"),
     ]:
         with pytest.raises(ls.LaunchError, match=message):
             ls.check_server_args(SimpleNamespace(**{**vars(ok), field: value}))

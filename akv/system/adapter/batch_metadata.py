@@ -37,12 +37,14 @@ class AkvForward:
     """A forward's AKV inputs: ``positions`` per token; per entry (request) the ``visible_until``
     table row and the index of its first query, and on the host the number of keys before that
     query it reads (sizes the index lists without a device read-back); the copies to run before
-    attention."""
+    attention; ``key_positions``, for models with sliding-window layers, the position of every
+    column (:class:`akv.system.adapter.window_lists.PositionTable`, rows as in ``visibility``)."""
 
     positions: torch.Tensor
     visibility: VisibleUntil
     visible_prefix: np.ndarray
     copies: CopyBatch | None
+    key_positions: torch.Tensor | None = None
 
 
 class VisibilityTable:
@@ -100,6 +102,8 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
         else:
             if lo == state.first_start:
                 cache.visibility.write(req.req_pool_idx, state)
+            if cache.positions is not None and lo == state.current(lo).start:
+                cache.positions.write_segment(req.req_pool_idx, state.current(lo))
             state.bind(cache.core, lo, slots[offset : offset + ext])
             # SGLang counts columns past cache_protected_len as KV outside the tree's accounting; a
             # context request's prompt KV (reused, copied, born) is all in the core's pool
@@ -135,6 +139,8 @@ def for_decode(batch: Any) -> AkvForward | None:
             table = batch.req_to_token_pool.req_to_token
             table[req.req_pool_idx, _to_device(tokens, table.device)] = _to_device(slots, table.device, table.dtype)
             state.terminal_written = True
+            if cache.positions is not None:
+                cache.positions.write_terminal(req.req_pool_idx, state.active.plan.terminal, state.program.n_tokens)
             if job is not None:
                 copies.append(job)
         offsets.append(state.decode_offset())
@@ -157,8 +163,10 @@ def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], qu
     if copies:
         cat = lambda name: dev(np.concatenate([getattr(job, name) for job in copies]), torch.int64)  # noqa: E731
         batch_copies = CopyBatch(cat("src"), cat("dst"), cat("old_positions"), cat("new_positions"))
+    key_positions = None if cache.positions is None else cache.positions.table
     return AkvForward(positions=dev(positions, torch.int64), visibility=visibility,
-                      visible_prefix=np.asarray(prefix, dtype=np.int64), copies=batch_copies)
+                      visible_prefix=np.asarray(prefix, dtype=np.int64), copies=batch_copies,
+                      key_positions=key_positions)
 
 
 def triton_kv_lists(forward_batch: Any, req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

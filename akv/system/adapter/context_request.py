@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from akv.system.adapter.window_lists import segment_round_end
 from akv.system.cache.core import ActiveRequest, CacheCore, Draft
 from akv.system.cache.occurrence import resolve_births
 from akv.system.cache.plan import CopyJob, Segment, Usage
@@ -37,6 +38,7 @@ class AkvRequest:
         self.segment = 0
         self.terminal_written = False
         self._kept: tuple[ContextProgram, int] | None = None
+        self.window: int | None = None  # the model's sliding window, set by the radix cache
 
     # ---- planning -------------------------------------------------------------------------------
 
@@ -61,8 +63,19 @@ class AkvRequest:
         return self.draft.plan.plan.segments
 
     def needs_rounds(self) -> bool:
-        """More than one scheduler round (segment) even without a chunk-size limit."""
-        return self.draft is not None and len(self.plan_draft_segments()) > 1
+        """More than one scheduler round (segment, or an early end for the sliding window) even
+        without a chunk-size limit."""
+        if self.draft is None:
+            return False
+        segments = self.plan_draft_segments()
+        first = segments[0]
+        return len(segments) > 1 or self.round_end(first, first.start, first.end) < first.end
+
+    def round_end(self, segment: Segment, lo: int, hi: int) -> int:
+        """End of a round of ``segment`` from column ``lo``, at most ``hi``: where SGLang's sliding-window
+        extend stops being exact (:func:`akv.system.adapter.window_lists.segment_round_end`)."""
+        hi = min(hi, segment.end)
+        return hi if self.window is None else segment_round_end(segment, lo, hi, self.window)
 
     def extra_budget(self) -> int:
         """Slots beyond SGLang's own extend count that admission must reserve: the copy slots."""

@@ -20,9 +20,11 @@ import torch
 from akv.system.adapter.batch_metadata import VisibilityTable
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.metrics import AkvMetrics
+from akv.system.adapter.window_lists import PositionTable, window_from_radius
 from akv.system.cache.core import CacheCore
 from akv.system.cache.keys import plain_key
 from akv.system.cache.pool import SlotPool
+from akv.system.models.minimax_m2 import check_supported
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
@@ -68,9 +70,10 @@ class PlainLock:
 
 
 class AkvRadixCache(BasePrefixCache):
-    """The cache core behind SGLang's prefix-cache interface (page size 1)."""
+    """The cache core behind SGLang's prefix-cache interface (page size 1). ``window``: the model's
+    sliding window (``config.sliding_window``; None without sliding-window layers)."""
 
-    def __init__(self, params: CacheInitParams) -> None:
+    def __init__(self, params: CacheInitParams, window: int | None = None) -> None:
         if params.page_size != 1:
             raise ValueError(f"page_size: {params.page_size} is not supported by the AKV cache (needs 1)")
         self.req_to_token_pool = params.req_to_token_pool
@@ -84,6 +87,8 @@ class AkvRadixCache(BasePrefixCache):
         self.visibility = VisibilityTable(self.req_to_token_pool.req_to_token)
         server_args = get_server_args()
         self.metrics = AkvMetrics(bool(server_args.enable_metrics), server_args.served_model_name or "")
+        self.window = window
+        self.positions = None if window is None else PositionTable(self.req_to_token_pool.req_to_token)
 
     # ---- matching and locking -------------------------------------------------------------------
 
@@ -99,6 +104,7 @@ class AkvRadixCache(BasePrefixCache):
         return self._result(slots, PlainLock(slots))
 
     def _match_context(self, req: Any, state: AkvRequest) -> MatchResult:
+        state.window = self.window
         generated = len(req.output_ids)
         if state.active is None and generated > state.program.n_tokens - state.base.n_tokens:
             state.readmit(list(req.output_ids))
@@ -230,5 +236,24 @@ class AkvRadixCache(BasePrefixCache):
 
 
 def build(ctx: Any) -> AkvRadixCache:
-    """Factory for SGLang's radix-cache registry."""
-    return AkvRadixCache(ctx.params)
+    """Factory for SGLang's radix-cache registry. Refuses models whose layers keep a recurrent state
+    instead of per-token KV (linear / lightning attention: the older MiniMax models), and SGLang's
+    hybrid SWA memory: it frees the KV of sliding-layer keys once they leave the window, and a Drop
+    brings older keys back into it; and sliding-window models on FlashInfer (its window wrappers
+    take no AKV lists)."""
+    config = ctx.model_config.hf_config.to_dict()
+    if str(config.get("model_type", "")).startswith("minimax"):
+        check_supported(config)
+    if ctx.is_hybrid_ssm:
+        raise ValueError(f"model_type {config.get('model_type')!r}: layers with a recurrent state instead of "
+                         "per-token KV cannot drop or reposition messages; the AKV cache needs softmax attention")
+    if ctx.is_hybrid_swa:
+        raise ValueError("is_hybrid_swa: the AKV cache needs every layer's KV kept for every token; start the "
+                         "server with --disable-hybrid-swa-memory (python -m akv.system.launch_server adds it)")
+    window = window_from_radius(ctx.tp_worker.sliding_window_size)
+    server_args = get_server_args()
+    backends = {server_args.attention_backend, server_args.decode_attention_backend, server_args.prefill_attention_backend}
+    if window is not None and "flashinfer" in backends:
+        raise ValueError("attention_backend 'flashinfer': AKV's sliding-window KV lists are built for the triton "
+                         "backend only; serve this model with --attention-backend triton")
+    return AkvRadixCache(ctx.params, window=window)

@@ -39,15 +39,14 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
 
 
 def cap_extend(req: Any) -> bool:
-    """Stop a context request's round at its segment's end; True when columns remain after it."""
+    """Stop a context request's round at its segment's end (or earlier, where a sliding-window
+    layer's extend would stop being exact); True when columns remain after it."""
     state: AkvRequest | None = req.akv
     if state is None:
         return False
     lo, hi = req.extend_range.start, req.extend_range.end
-    if state.active is not None:
-        hi = min(hi, state.current(lo).end)
-    else:
-        hi = min(hi, state.plan_draft_segments()[0].end)
+    segment = state.current(lo) if state.active is not None else state.plan_draft_segments()[0]
+    hi = state.round_end(segment, lo, hi)
     req.set_extend_range(lo, hi)
     return hi < len(req.full_untruncated_fill_ids)
 
