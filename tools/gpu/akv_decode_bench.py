@@ -5,8 +5,9 @@ FlashInfer attention, decode CUDA graphs on; each server alone on the GPU, one a
 For each live length L: a tool conversation of about 2L tokens whose every other tool result is
 dropped at the last message (``drop_message``, no reposition) on the patched server; the same
 conversation without those results on stock. One request warms each server's cache, then B
-identical requests decode together (B = 1, 8, 16), streaming ``--tokens`` tokens each; the step
-time is measured over the window in which all B decode together (median over the requests). Also
+identical requests decode together (B = 1, 8, 16), streaming ``--tokens`` x max(1, B / 4) tokens
+each; the step time is B over the generation throughput SGLang logs for decode batches of exactly B
+requests (median; the time over the window in which all B streams were decoding is kept beside it). Also
 each server's plain-request output throughput on a burst of 16 distinct prompts, and the attention
 floor at H200 bandwidth (about 30.7 us per 1K live tokens per request per step).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -62,25 +64,36 @@ def stream(url: str, body: dict[str, Any], tokens: int) -> list[float]:
     return stamps
 
 
-def step_time_ms(runs: list[list[float]]) -> float:
+def step_time_ms(runs: list[list[float]]) -> float | None:
     """Median time per decode step while all requests were decoding together: the window from the
     last request's first chunk to the first request's last one, divided by each request's chunks
-    inside it."""
+    inside it (None when they never decoded together long enough)."""
     lo, hi = max(r[0] for r in runs), min(r[-1] for r in runs)
     per = [(hi - lo) / (sum(lo <= t <= hi for t in r) - 1) for r in runs if sum(lo <= t <= hi for t in r) > 8]
-    if not per:
-        raise RuntimeError("the requests never decoded together")
-    return 1e3 * statistics.median(per)
+    return 1e3 * statistics.median(per) if per else None
 
 
-def decode_runs(url: str, body: dict[str, Any], batches: list[int], tokens: int) -> dict[str, Any]:
+_DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)")
+
+
+def logged_step_ms(log: Path, offset: int, batch: int) -> float | None:
+    """Median step time from the server's own decode log lines (one per 40 steps) written after
+    ``offset`` with exactly ``batch`` requests running: ``batch`` / generation throughput."""
+    steps = [1e3 * batch / float(m[2]) for m in _DECODE_LINE.finditer(log.read_text()[offset:])
+             if int(m[1]) == batch and float(m[2]) > 0]
+    return statistics.median(steps) if steps else None
+
+
+def decode_runs(url: str, log: Path, body: dict[str, Any], batches: list[int], tokens: int) -> dict[str, Any]:
     started = time.perf_counter()
     stream(url, body, 4)
     out: dict[str, Any] = {"warm_s": time.perf_counter() - started}
     for b in batches:
+        offset = len(log.read_text())
+        n = tokens * max(1, b // 4)  # long enough for requests that arrive staggered to decode together
         with ThreadPoolExecutor(b) as pool:
-            runs = list(pool.map(lambda _: stream(url, body, tokens), range(b)))
-        out[str(b)] = {"step_ms": step_time_ms(runs)}
+            runs = list(pool.map(lambda _: stream(url, body, n), range(b)))
+        out[str(b)] = {"step_ms": logged_step_ms(log, offset, b), "client_step_ms": step_time_ms(runs), "tokens": n}
         print(f"  B={b}: {out[str(b)]}", flush=True)
     return out
 
@@ -114,6 +127,13 @@ def burst(url: str, tokenizer: Any, n: int, tokens: int) -> float:
     return sum(map(len, runs)) / (time.perf_counter() - started)
 
 
+def ratio(mine: dict[str, Any], base: dict[str, Any], live: int, batch: int) -> float | None:
+    """Patched over stock step time (server-logged), None where either is missing."""
+    a = mine.get(str(live), {}).get(str(batch), {}).get("step_ms")
+    b = base.get(str(live), {}).get(str(batch), {}).get("step_ms")
+    return a / b if a and b else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"))
@@ -141,16 +161,16 @@ def main() -> int:
     started = time.time()
     try:
         for side, (launcher, extra_env) in sides.items():  # one at a time: each gets the whole GPU
+            log = args.out.parent / f"server-decode-{side}.log"
             server = Server(side, [*launcher, "--model-path", str(args.model), *COMMON],
-                            {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}, 30020,
-                            args.out.parent / f"server-decode-{side}.log")
+                            {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}, 30020, log)
             result: dict[str, Any] = {}
             try:
                 server.wait(300)
                 result["startup_s"] = round(time.time() - started, 1)
                 for live, (akv_body, stock_body, n_live) in zip(lives, cases):
                     print(f"{side}: live {live} ({n_live} live prompt tokens)", flush=True)
-                    result[str(live)] = decode_runs(server.url, akv_body if side == "patched" else stock_body,
+                    result[str(live)] = decode_runs(server.url, log, akv_body if side == "patched" else stock_body,
                                                     batches, args.tokens)
                 result["plain_burst_tokens_per_s"] = burst(server.url, tokenizer, 16, 128)
             except Exception as exc:  # noqa: BLE001 - keep what was measured
@@ -163,8 +183,7 @@ def main() -> int:
         mine, base = report["sides"]["patched"], report["sides"]["stock"]
         report["cases"] = {
             str(live): {"live_prompt_tokens": n_live,
-                        "ratio": {str(b): mine[str(live)][str(b)]["step_ms"] / base[str(live)][str(b)]["step_ms"]
-                                  for b in batches if str(b) in mine.get(str(live), {}) and str(b) in base.get(str(live), {})},
+                        "ratio": {str(b): ratio(mine, base, live, b) for b in batches},
                         "attention_floor_ms": {str(b): b * n_live / 1000 * FLOOR_US_PER_1K / 1000 for b in batches}}
             for live, (_, _, n_live) in zip(lives, cases)}
         if "plain_burst_tokens_per_s" in mine and "plain_burst_tokens_per_s" in base:
