@@ -5,29 +5,31 @@ akv_keep12, akv_keep12_every_turn: drop_message/reposition from akv.agent, meani
 patched server; each row records whether the server reported AKV usage) replays `--conversations`
 conversations (default: as many as the concurrency level) at each concurrency, every request with
 `max_tokens` = the trajectory's output length and `ignore_eos`; the client appends the
-trajectory's own assistant message, not the server's output. The server's cache is flushed
-(`POST /flush_cache`) before each (method, concurrency) run. Reports output and input throughput
-over the run's wall time, P50/P95 request latency and TTFT; writes JSON (with the exact command)
-and a markdown table next to it (.md). A request the server refuses (e.g. a full-context prompt
-past the window) ends its conversation and counts as `failed`.
+trajectory's own assistant message, not the server's output. Every conversation of every run
+starts with its own tag (a few filler tokens, counted), so no run reads another's KV even where
+`POST /flush_cache` (sent before each run) is refused. Reports output and input throughput over
+the run's wall time, P50/P95 request latency and TTFT, the served cached / re-rotated / skipped
+tokens, and KV pool usage sampled from `GET /metrics` (servers started with `--enable-metrics`);
+writes JSON (with the exact command) and a markdown table next to it (.md) after every run. A
+request the server refuses (e.g. a full-context prompt past the window) ends its conversation and
+counts as `failed`.
 
-Intended H200 run (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-token window).
+Every method on the H200 in one device call, stock SGLang for the text methods and the patched
+server for AKV: `tools/gpu/replay_suite.sh` (it drives this module; `--dry-run` on CPU). By hand
+against one server (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-token window;
 `--start-turn 40 --max-turns 60` puts the default SWE-like set's full-context prompts at 56k-116k
 tokens, where Standard (96k) summarizes and Text Engineering (48k) already has; each (method,
-concurrency) run lasts about `--run-seconds` plus its longest request, so split the sweep over
-calls to stay within a 10-minute command:
+concurrency) run lasts about `--run-seconds` plus its longest request):
 
-    python tools/gpu/make_models.py --tiny /tmp/tiny --qwen3-8b /tmp/qwen3-8b
-    python -c "import json,pathlib; p=pathlib.Path('/tmp/qwen3-8b/config.json'); c=json.loads(p.read_text()); \\
-c['max_position_embeddings']=131072; p.write_text(json.dumps(c))"
     python -m sglang.launch_server --model-path /tmp/qwen3-8b --load-format dummy --attention-backend flashinfer \\
-        --context-length 131072 --mem-fraction-static 0.85 --enable-cache-report --port 30000 &
+        --context-length 131072 --mem-fraction-static 0.85 --enable-cache-report --enable-metrics --port 30000 &
     python bench/serve_replay.py --url http://127.0.0.1:30000 --model-path /tmp/qwen3-8b --preset swe --count 8 \\
         --start-turn 40 --max-turns 60 --run-seconds 90 --methods full,standard,text_engineering,trim \\
         --concurrency 1,4,8,16,32 --label "stock sglang 0.5.16, flashinfer" \\
         --out bench/results/serve_replay_stock_flashinfer.json
 
-(`--attention-backend triton` for the second row.) Dry run on CPU against the loopback stand-in:
+(the model folder: `tools/gpu/make_models.py --qwen3-8b` with `max_position_embeddings` set to
+131072, as replay_suite.py writes it). Dry run on CPU against the loopback stand-in:
 
     python bench/serve_replay.py --loopback --count 1 --max-turns 6 --concurrency 1,2 --out /tmp/replay.json
 """

@@ -1,0 +1,443 @@
+"""Every serving-replay method side by side in one run: stock SGLang 0.5.16 (the pinned wheel,
+unpatched) replays the text methods (Full, Standard, Text Engineering, trimming) and the patched
+server (``python -m akv.system.launch_server``) replays AKV (drop_message/reposition from
+akv.agent), one server at a time on the same model, over a concurrency sweep that fits a time
+budget. Writes ``replay_suite.json`` (rows, ratios, the exact command and settings),
+``replay_suite.md`` (the table and AKV vs Standard next to the goals) and ``replay_suite.svg``
+under ``--out``; server logs under ``--logs``. Prints a line per step and per run.
+
+On the H200 (``tools/gpu/replay_suite.sh``, through ``tools/gpu/run.sh``): a Qwen3-8B-shaped
+model with dummy weights and ``max_position_embeddings`` 131,072, bf16, CUDA graphs for decode,
+triton attention (``AKV_REPLAY_BACKEND=flashinfer`` for stock, when the patched server takes it).
+``--dry-run``: the same steps on this CPU machine with the tiny random Qwen3, the CPU servers of
+tests/sglang_cpu (stock and patched sites installed from the pinned wheel) and a tiny trajectory set.
+
+Each setting is a flag with its default from an environment variable (run.sh runs the script
+without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (4 trajectories),
+AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (10), AKV_REPLAY_MAX_TURNS (none),
+AKV_REPLAY_STOCK_METHODS (full,standard,text_engineering,trim), AKV_REPLAY_AKV_METHODS (akv_keep12),
+AKV_REPLAY_THRESHOLDS (96000,48000: Standard, Text Engineering), AKV_REPLAY_TARGET_S (330: the
+suite's wall time it plans for), AKV_REPLAY_DEADLINE_S (450: no run starts later), AKV_REPLAY_BACKEND
+(triton), AKV_REPLAY_MEM_FRACTION (0.85), AKV_REPLAY_OUT (default $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+
+from bench import serve_replay  # noqa: E402
+from bench.agent_replay import plots  # noqa: E402
+from bench.agent_replay.methods import FullContext  # noqa: E402
+from bench.agent_replay.serve import prepare, replay  # noqa: E402
+
+GOALS = {"output_tok_per_s": 1.5, "latency_p95_s": 2.0}
+"""AKV vs Standard at equal concurrency: output throughput at least 1.5x, P95 latency at least 2x lower."""
+GPU_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--page-size", "1", "--chunked-prefill-size", "8192",
+             "--cuda-graph-max-bs", "16", "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch",
+             "--context-length", "131072"]
+CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--page-size", "1", "--disable-cuda-graph", "--sampling-backend",
+             "pytorch", "--max-total-tokens", "16384", "--chunked-prefill-size", "256", "--skip-server-warmup",
+             "--mem-fraction-static", "0.5", "--enable-cache-report"]
+MIN_RUN_S = 3.0
+
+
+def env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, CPU servers, tiny trajectories")
+    p.add_argument("--out", type=Path, default=Path(env("AKV_REPLAY_OUT", env("OUT", "replay-out"))))
+    p.add_argument("--logs", type=Path, default=Path(os.environ["AKV_BENCH_OUT"]) if os.environ.get("AKV_BENCH_OUT")
+                   else None, help="server logs (default: $AKV_BENCH_OUT, else --out)")
+    p.add_argument("--model", type=Path, default=Path(env("AKV_REPLAY_MODEL", "/tmp/akv-model-8b-128k")),
+                   help="model folder, written if absent (Qwen3-8B shape, or the tiny model with --dry-run)")
+    p.add_argument("--stock-site", type=Path, default=Path(env("AKV_REPLAY_STOCK_SITE", "/tmp/site-stock")),
+                   help="stock SGLang site (unpacked from .devkit/site-py312.tar.xz if absent)")
+    p.add_argument("--patched-site", type=Path, default=None,
+                   help="patched SGLang site (default: the current PYTHONPATH; --dry-run builds one)")
+    p.add_argument("--work", type=Path, default=Path(env("AKV_REPLAY_WORK", "/tmp/akv-replay-suite")),
+                   help="--dry-run: where the CPU sites and the tiny model are built (kept between runs)")
+    p.add_argument("--concurrency", default=env("AKV_REPLAY_CONCURRENCY", "1,4,16"))
+    p.add_argument("--count", type=int, default=int(env("AKV_REPLAY_COUNT", "4")))
+    p.add_argument("--preset", default=env("AKV_REPLAY_PRESET", "swe"))
+    p.add_argument("--start-turn", type=int, default=int(env("AKV_REPLAY_START_TURN", "10")))
+    p.add_argument("--max-turns", type=int, default=int(env("AKV_REPLAY_MAX_TURNS", "60")) or None,
+                   help="cut each trajectory to its first N calls (0: whole)")
+    p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "full,standard,text_engineering,trim"))
+    p.add_argument("--akv-methods", default=env("AKV_REPLAY_AKV_METHODS", "akv_keep12"))
+    p.add_argument("--thresholds", default=env("AKV_REPLAY_THRESHOLDS", "96000,48000"),
+                   help="Standard and Text Engineering summarization thresholds in tokens")
+    p.add_argument("--keep", type=int, default=int(env("AKV_REPLAY_KEEP", "12")))
+    p.add_argument("--max-output-tokens", type=int, default=int(env("AKV_REPLAY_MAX_OUTPUT", "0")) or None)
+    p.add_argument("--target-s", type=float, default=float(env("AKV_REPLAY_TARGET_S", "330")),
+                   help="wall seconds the suite plans for (server starts included)")
+    p.add_argument("--deadline-s", type=float, default=float(env("AKV_REPLAY_DEADLINE_S", "450")),
+                   help="no run starts after this many seconds")
+    p.add_argument("--backend", default=env("AKV_REPLAY_BACKEND", "triton"), help="attention backend (stock)")
+    p.add_argument("--akv-backend", default=os.environ.get("AKV_REPLAY_AKV_BACKEND"),
+                   help="attention backend of the patched server (default: --backend; it takes triton only so far)")
+    p.add_argument("--mem-fraction", default=env("AKV_REPLAY_MEM_FRACTION", "0.85"))
+    p.add_argument("--timeout", type=float, default=float(env("AKV_REPLAY_TIMEOUT_S", "240")),
+                   help="seconds per socket operation of a request")
+    p.add_argument("--ready-timeout", type=float, default=float(env("AKV_REPLAY_READY_TIMEOUT_S", "420")))
+    p.add_argument("--port", type=int, default=int(env("AKV_REPLAY_PORT", "30100")))
+    args = p.parse_args(argv)
+    if args.dry_run:
+        for flag, value in (("concurrency", "1,2"), ("count", 1), ("preset", "tiny"), ("start_turn", 0),
+                            ("thresholds", "450,250"), ("keep", 2), ("max_output_tokens", 4), ("target_s", 240.0),
+                            ("deadline_s", 400.0), ("max_turns", 4)):
+            if getattr(args, flag) == p.get_default(flag):
+                setattr(args, flag, value)
+        if args.model == p.get_default("model"):
+            args.model = args.work / "tiny-qwen3"
+        if args.stock_site == p.get_default("stock_site"):
+            args.stock_site = args.work / "stock-site"
+    args.logs = args.logs or args.out
+    args.akv_backend = args.akv_backend or args.backend
+    return args
+
+
+def log(message: str, started: float) -> None:
+    """A progress line on stdout, and on the file descriptor AKV_REPLAY_PROGRESS_FD when set (run.sh
+    keeps its own stdout as fd 3 while a benchmark's output goes to a log file)."""
+    line = f"[replay_suite {time.strftime('%H:%M:%S', time.gmtime())} +{time.time() - started:.0f}s] {message}"
+    print(line, flush=True)
+    fd = os.environ.get("AKV_REPLAY_PROGRESS_FD")
+    if fd:
+        try:
+            os.write(int(fd), (line + "\n").encode())
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------- setup ---
+
+
+def make_model(args: argparse.Namespace) -> None:
+    """The served model folder: Qwen3-8B shape with a 131,072-token window (no weights), or the tiny model."""
+    if (args.model / "config.json").exists():
+        return
+    from akv.system.models.tiny import make_tiny_model
+
+    if args.dry_run:
+        make_tiny_model(args.model, seed=3)
+        return
+    from make_models import QWEN3_8B_SHAPE
+
+    make_tiny_model(args.model, arch="qwen3", seed=0, dtype="bfloat16", weights=False,
+                    **{**QWEN3_8B_SHAPE, "max_position_embeddings": 131_072})
+
+
+def pip_target(wheel: Path, target: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--upgrade", "--target",
+                    str(target), str(wheel)], check=True)
+
+
+def make_sites(args: argparse.Namespace) -> None:
+    """The stock site (unpacked from the carried archive on the H200; with --dry-run installed from
+    the pinned wheel) and with --dry-run the patched one, rebuilt when the patch changes."""
+    if not args.dry_run:
+        if not (args.stock_site / "sglang").is_dir():
+            args.stock_site.mkdir(parents=True, exist_ok=True)
+            subprocess.run(f"xz -T0 -dc {shlex.quote(str(ROOT / '.devkit' / 'site-py312.tar.xz'))} | "
+                           f"tar -x -C {shlex.quote(str(args.stock_site))}", shell=True, check=True)
+        return
+    from akv.system import _build
+
+    tag = _build.python_tag()
+    if not (args.stock_site / "sglang").is_dir():
+        pip_target(_build.fetch_stock_wheel(tag, _build.default_cache_dir()), args.stock_site)
+    wheel = _build.build(args.work / "dist", tag).wheel
+    patched = args.patched_site or args.work / "patched-site"
+    stamp = patched / ".akv-wheel-sha256"
+    digest = _build.sha256_file(wheel)
+    if not stamp.exists() or stamp.read_text() != digest:
+        pip_target(wheel, patched)
+        stamp.write_text(digest)
+    args.patched_site = patched
+
+
+@dataclass
+class Server:
+    """One SGLang server process (its own process group) and where it listens."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.argv + ["--host", "127.0.0.1", "--port", str(self.port)], env=self.env,
+                                        stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}; "
+                                   f"log tail: {self.log_path.read_text()[-1500:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} server not ready in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(timeout=30)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        self._log.close()
+        self.process = None
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    """Stock first (the text methods), then patched (AKV)."""
+    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction]
+    if args.dry_run and importlib.util.find_spec("prometheus_client") is not None:
+        flags = [*flags, "--enable-metrics"]  # SGLang's /metrics needs it; the H200 image has it
+    cpu_site = [str(ROOT / "tests" / "sglang_cpu" / "site")] if args.dry_run else []
+    if args.patched_site is not None:
+        patched_path = os.pathsep.join([*cpu_site, str(args.patched_site), str(ROOT)])
+    else:
+        patched_path = os.pathsep.join([*cpu_site, os.environ.get("PYTHONPATH", ""), str(ROOT)])
+    stock_path = os.pathsep.join([*cpu_site, str(args.stock_site)])
+    model = ["--model-path", str(args.model)]
+    return [Server("stock", [sys.executable, "-m", "sglang.launch_server", *model, *flags, "--attention-backend",
+                             args.backend], {**base, "PYTHONPATH": stock_path}, args.port, args.logs / "server-stock.log"),
+            Server("patched", [sys.executable, "-m", "akv.system.launch_server", *model, *flags, "--attention-backend",
+                               args.akv_backend], {**base, "PYTHONPATH": patched_path}, args.port + 1,
+                   args.logs / "server-patched.log")]
+
+
+# ------------------------------------------------------------------------------ replay ---
+
+
+def replay_args(args: argparse.Namespace, url: str) -> argparse.Namespace:
+    """serve_replay's settings for this suite (its parser, so every default stays serve_replay's)."""
+    standard, text = (int(x) for x in args.thresholds.split(","))
+    argv = ["--url", url, "--model-path", str(args.model), "--preset", args.preset, "--count", str(args.count),
+            "--start-turn", str(args.start_turn), "--standard-threshold", str(standard), "--text-threshold", str(text),
+            "--keep", str(args.keep), "--timeout", str(args.timeout), "--out", str(args.out / "unused.json"), "-v"]
+    if args.max_turns:
+        argv += ["--max-turns", str(args.max_turns)]
+    if args.max_output_tokens:
+        argv += ["--max-output-tokens", str(args.max_output_tokens)]
+    return serve_replay.parse_args(argv)
+
+
+def warm_up(server: Server, trajectories: list, filler: Any, args: argparse.Namespace, started: float) -> dict:
+    """One unmeasured request (the first trajectory's first replayed turn, its own tag), so that
+    kernel compilation and first-use costs fall outside the runs."""
+    conversation = prepare(trajectories[0], FullContext(), [0], filler, args.start_turn, f"{started}/warm-up")[0]
+    conversation = dataclasses.replace(conversation, requests=tuple(
+        dataclasses.replace(r, generated=min(r.generated, 16)) for r in conversation.requests[:1]))
+    got, wall = replay(server.url, [conversation], 1, "default", filler, args.timeout)
+    return {"seconds": round(wall, 2), "prompt_tokens": got[0].prompt_tokens if got else None,
+            "error": got[0].error if got else "no request"}
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per AKV row: AKV vs Standard at the same concurrency (output and input throughput as AKV/
+    Standard, P50/P95 latency and TTFT as Standard/AKV: above 1 is AKV better), next to the goals."""
+    standard = {r["concurrency"]: r for r in rows if r["method"] == "standard" and r.get("requests")}
+    out = []
+    for row in rows:
+        base = standard.get(row["concurrency"])
+        if not row["method"].startswith("akv") or base is None or not row.get("requests"):
+            continue
+        entry = {"method": row["method"], "concurrency": row["concurrency"]}
+        for key in ("output_tok_per_s", "input_tok_per_s"):
+            entry[key] = row[key] / base[key] if row.get(key) and base.get(key) else None
+        for key in ("latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s"):
+            entry[key] = base[key] / row[key] if row.get(key) and base.get(key) else None
+        entry["meets_output_goal"] = entry["output_tok_per_s"] is not None and \
+            entry["output_tok_per_s"] >= GOALS["output_tok_per_s"]
+        entry["meets_p95_goal"] = entry["latency_p95_s"] is not None and entry["latency_p95_s"] >= GOALS["latency_p95_s"]
+        out.append(entry)
+    return out
+
+
+def best(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
+    """The method's row with the highest output throughput (its own best concurrency)."""
+    got = [r for r in rows if r["method"] == method and r.get("output_tok_per_s")]
+    return max(got, key=lambda r: r["output_tok_per_s"]) if got else None
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    lines = [f"`{result['command']}`", "", result["label"], "",
+             "| method | server | conc. | requests | failed | summaries | output tok/s | input tok/s | cached | read "
+             "| P50 s | P95 s | TTFT P50 s | TTFT P95 s | KV pool peak | KV tokens peak |",
+             "|" + "---|" * 16]
+
+    def cell(value: Any, digits: int = 2) -> str:
+        return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    for r in rows:
+        lines.append("| " + " | ".join([r["method"], r["server"], str(r["concurrency"]), cell(r.get("requests")),
+                                        cell(r.get("failed")), cell(r.get("summary_requests")),
+                                        cell(r.get("output_tok_per_s"), 1), cell(r.get("input_tok_per_s"), 0),
+                                        cell(r.get("cached_fraction")), cell(r.get("read_fraction")),
+                                        cell(r.get("latency_p50_s")), cell(r.get("latency_p95_s")),
+                                        cell(r.get("ttft_p50_s")), cell(r.get("ttft_p95_s")),
+                                        cell(r.get("kv_token_usage_max")), cell(r.get("kv_used_tokens_max"), 0)]) + " |")
+    lines += ["", "AKV vs Standard at equal concurrency (above 1: AKV better; goals: output throughput >= "
+              f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
+              "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
+              "| output goal | P95 goal |", "|" + "---|" * 10]
+    for q in result["ratios"]:
+        lines.append("| " + " | ".join([q["method"], str(q["concurrency"]), *(
+            "-" if q[k] is None else f"{q[k]:.2f}x" for k in ("output_tok_per_s", "input_tok_per_s", "latency_p50_s",
+                                                              "latency_p95_s", "ttft_p50_s", "ttft_p95_s")),
+            "met" if q["meets_output_goal"] else "not met", "met" if q["meets_p95_goal"] else "not met"]) + " |")
+    own = result.get("best")
+    if own:
+        lines += ["", "Each method at its own best concurrency (highest output throughput): " + "; ".join(
+            f"{m} c={r['concurrency']} {r['output_tok_per_s']:.1f} tok/s, P95 {r['latency_p95_s'] or 0:.2f} s"
+            for m, r in own.items() if r)]
+    if result.get("notes"):
+        lines += ["", *[f"- {n}" for n in result["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def svg(rows: list[dict[str, Any]], levels: list[int]) -> str:
+    """Output throughput and P95 latency per method, by position in the concurrency sweep."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+
+    def series(key: str) -> dict[str, list[float]]:
+        by = {(r["method"], r["concurrency"]): r.get(key) or 0.0 for r in rows}
+        return {m: [by.get((m, c), 0.0) for c in levels] for m in methods}
+
+    label = "concurrency " + ", ".join(str(c) for c in levels) + " (by position)"
+    return plots.line_panels([("output tokens/s", series("output_tok_per_s")),
+                              ("P95 request latency, s", series("latency_p95_s"))], label)
+
+
+def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    result["ratios"] = ratios(result["rows"])
+    result["best"] = {m: best(result["rows"], m) for m in dict.fromkeys(r["method"] for r in result["rows"])}
+    (args.out / "replay_suite.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (args.out / "replay_suite.md").write_text(markdown(result), encoding="utf-8")
+    if any(r.get("requests") for r in result["rows"]):
+        (args.out / "replay_suite.svg").write_text(svg(result["rows"], levels), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.time()
+    args = parse_args(argv)
+    command = "python tools/gpu/replay_suite.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")}
+    levels = [int(c) for c in args.concurrency.split(",")]
+    log(f"settings {json.dumps(settings)}", started)
+    make_model(args)
+    make_sites(args)
+    log(f"model {args.model}, stock site {args.stock_site}, patched site {args.patched_site or 'PYTHONPATH'}", started)
+    stock, patched = servers(args)
+    phases = [(stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url))),
+              (patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url)))]
+    phases = [(s, m) for s, m in phases if m]
+    prepared = replay_args(args, stock.url)
+    trajectories, filler = serve_replay.with_messages(serve_replay.load_trajectories(prepared), prepared)
+    log(f"{len(trajectories)} trajectories realized; phases {[(s.name, [m.name for m in ms]) for s, ms in phases]}; "
+        f"concurrency {levels}", started)
+    label = (f"{'CPU dry run, tiny random Qwen3 (FP32)' if args.dry_run else 'H200, Qwen3-8B shape, dummy weights, bf16'}"
+             f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
+             f"({args.akv_backend} attention) for AKV; thresholds {args.thresholds}, keep {args.keep}, "
+             f"{args.count} {args.preset} trajectories from turn {args.start_turn}")
+    result: dict[str, Any] = {"command": command, "knobs": knobs, "settings": settings, "label": label,
+                              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "goals": GOALS,
+                              "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}
+    startup_estimate = 60.0 if args.dry_run else 120.0
+    status = 0
+    for p, (server, methods) in enumerate(phases):
+        runs = [(m, c) for m in methods for c in levels]
+        if time.time() - started > args.deadline_s:
+            result["notes"].append(f"{server.name}: not started, past the {args.deadline_s:.0f} s deadline")
+            status = 1
+            break
+        log(f"{server.name}: starting: {shlex.join(server.argv)}", started)
+        t0 = time.time()
+        try:
+            server.start()
+            server.wait(args.ready_timeout)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            server.stop()
+            log(f"{server.name}: FAILED to start: {exc}", started)
+            result["servers"][server.name] = {"argv": server.argv, "error": str(exc)[-2000:]}
+            result["notes"].append(f"{server.name} server did not start: {str(exc)[:300]}")
+            status = 1
+            write(args, result, levels)
+            continue
+        startup_estimate = time.time() - t0
+        warmup = warm_up(server, trajectories, filler, args, started)
+        result["servers"][server.name] = {"argv": server.argv, "startup_s": round(startup_estimate, 1),
+                                          "warmup": warmup}
+        log(f"{server.name}: ready in {startup_estimate:.0f} s, warm-up request: {warmup}", started)
+        later_runs = sum(len(ms) * len(levels) for _, ms in phases[p + 1:])
+        later_starts = len(phases) - p - 1
+        replay_left = args.target_s - (time.time() - started) - later_starts * (startup_estimate + 10)
+        phase_end = time.time() + max(0.0, replay_left) * len(runs) / (len(runs) + later_runs)
+        settings_for = replay_args(args, server.url)
+        try:
+            for k, (method, level) in enumerate(runs):
+                if time.time() - started > args.deadline_s:
+                    result["notes"].append(f"{method.name} c={level}: skipped, past the {args.deadline_s:.0f} s deadline")
+                    status = 1
+                    continue
+                run_s = max(MIN_RUN_S, (phase_end - time.time()) / (len(runs) - k))
+                log(f"{server.name}: {method.name} c={level}, new requests for {run_s:.0f} s", started)
+                row, got = serve_replay.run_one(server.url, trajectories, filler, method, level, settings_for,
+                                                f"{started}/{server.name}/{method.name}/{level}", run_s)
+                row = {"server": server.name, "summary_requests": sum(s.kind == "summary" for s in got), **row}
+                result["rows"].append(row)
+                log(serve_replay.progress_line(row).strip(), started)
+                write(args, result, levels)
+        finally:
+            server.stop()
+            log(f"{server.name}: stopped", started)
+    result["total_s"] = round(time.time() - started, 1)
+    write(args, result, levels)
+    log("\n" + (args.out / "replay_suite.md").read_text(), started)
+    log(f"done; wrote {sorted(p.name for p in args.out.glob('replay_suite.*'))} to {args.out}", started)
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
