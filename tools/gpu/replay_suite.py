@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default=env("AKV_REPLAY_CONCURRENCY", "1,4,16"))
     p.add_argument("--count", type=int, default=int(env("AKV_REPLAY_COUNT", "4")))
     p.add_argument("--preset", default=env("AKV_REPLAY_PRESET", "swe"))
-    p.add_argument("--start-turn", type=int, default=int(env("AKV_REPLAY_START_TURN", "10")))
+    p.add_argument("--start-turn", type=int, default=int(env("AKV_REPLAY_START_TURN", "12")),
+                   help="first turn sent (its prompt prefilled cold); from about turn 11 the SWE-like set holds "
+                        "more than 12 tool results, so trim and AKV edit")
     p.add_argument("--max-turns", type=int, default=int(env("AKV_REPLAY_MAX_TURNS", "60")) or None,
                    help="cut each trajectory to its first N calls (0: whole)")
     p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "full,standard,text_engineering,trim"))
@@ -87,15 +89,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--thresholds", default=env("AKV_REPLAY_THRESHOLDS", "96000,48000"),
                    help="Standard and Text Engineering summarization thresholds in tokens")
     p.add_argument("--keep", type=int, default=int(env("AKV_REPLAY_KEEP", "12")))
-    p.add_argument("--max-output-tokens", type=int, default=int(env("AKV_REPLAY_MAX_OUTPUT", "0")) or None)
+    p.add_argument("--max-output-tokens", type=int, default=int(env("AKV_REPLAY_MAX_OUTPUT", "128")) or None,
+                   help="cap of each request's fixed output length (0: the trajectories' own, ~350 on average)")
     p.add_argument("--target-s", type=float, default=float(env("AKV_REPLAY_TARGET_S", "330")),
                    help="wall seconds the suite plans for (server starts included)")
-    p.add_argument("--deadline-s", type=float, default=float(env("AKV_REPLAY_DEADLINE_S", "450")),
+    p.add_argument("--deadline-s", type=float, default=float(env("AKV_REPLAY_DEADLINE_S", "420")),
                    help="no run starts after this many seconds")
     p.add_argument("--backend", default=env("AKV_REPLAY_BACKEND", "triton"), help="attention backend (stock)")
     p.add_argument("--akv-backend", default=os.environ.get("AKV_REPLAY_AKV_BACKEND"),
                    help="attention backend of the patched server (default: --backend; it takes triton only so far)")
-    p.add_argument("--mem-fraction", default=env("AKV_REPLAY_MEM_FRACTION", "0.85"))
+    p.add_argument("--servers", choices=("in-turn", "together"), default=env("AKV_REPLAY_SERVERS", "in-turn"),
+                   help="start stock and patched one after the other (whole GPU each) or both at once (saves one "
+                        "startup; each gets --mem-fraction 0.42 and a --pool-tokens cap, as akv_8b_check.py)")
+    p.add_argument("--mem-fraction", default=os.environ.get("AKV_REPLAY_MEM_FRACTION"),
+                   help="--mem-fraction-static of each server (default 0.85 in turn, 0.42 together)")
+    p.add_argument("--pool-tokens", type=int, default=int(env("AKV_REPLAY_POOL_TOKENS", "0")) or None,
+                   help="--max-total-tokens of each server (default: none in turn, 150000 together)")
     p.add_argument("--timeout", type=float, default=float(env("AKV_REPLAY_TIMEOUT_S", "240")),
                    help="seconds per socket operation of a request")
     p.add_argument("--ready-timeout", type=float, default=float(env("AKV_REPLAY_READY_TIMEOUT_S", "420")))
@@ -113,6 +122,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.stock_site = args.work / "stock-site"
     args.logs = args.logs or args.out
     args.akv_backend = args.akv_backend or args.backend
+    together = args.servers == "together"
+    args.mem_fraction = args.mem_fraction or ("0.42" if together else "0.85")
+    args.pool_tokens = args.pool_tokens or (150_000 if together else None)
     return args
 
 
@@ -228,14 +240,19 @@ def servers(args: argparse.Namespace) -> list[Server]:
     """Stock first (the text methods), then patched (AKV)."""
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}
     flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction]
+    if args.pool_tokens and not args.dry_run:
+        flags = [*flags, "--max-total-tokens", str(args.pool_tokens)]
     if args.dry_run and importlib.util.find_spec("prometheus_client") is not None:
         flags = [*flags, "--enable-metrics"]  # SGLang's /metrics needs it; the H200 image has it
     cpu_site = [str(ROOT / "tests" / "sglang_cpu" / "site")] if args.dry_run else []
+    # on CPU, modules the machine's environment adds (e.g. prometheus_client); never on the H200,
+    # where PYTHONPATH holds the patched site, whose entry points a stock server must not see
+    extra = [os.environ["PYTHONPATH"]] if args.dry_run and os.environ.get("PYTHONPATH") else []
     if args.patched_site is not None:
-        patched_path = os.pathsep.join([*cpu_site, str(args.patched_site), str(ROOT)])
+        patched_path = os.pathsep.join([*cpu_site, str(args.patched_site), str(ROOT), *extra])
     else:
         patched_path = os.pathsep.join([*cpu_site, os.environ.get("PYTHONPATH", ""), str(ROOT)])
-    stock_path = os.pathsep.join([*cpu_site, str(args.stock_site)])
+    stock_path = os.pathsep.join([*cpu_site, str(args.stock_site), *extra])
     model = ["--model-path", str(args.model)]
     return [Server("stock", [sys.executable, "-m", "sglang.launch_server", *model, *flags, "--attention-backend",
                              args.backend], {**base, "PYTHONPATH": stock_path}, args.port, args.logs / "server-stock.log"),
@@ -265,7 +282,8 @@ def warm_up(server: Server, trajectories: list, filler: Any, args: argparse.Name
     kernel compilation and first-use costs fall outside the runs."""
     conversation = prepare(trajectories[0], FullContext(), [0], filler, args.start_turn, f"{started}/warm-up")[0]
     conversation = dataclasses.replace(conversation, requests=tuple(
-        dataclasses.replace(r, generated=min(r.generated, 16)) for r in conversation.requests[:1]))
+        dataclasses.replace(r, generated=min(r.generated, args.max_output_tokens or 16, 16))
+        for r in conversation.requests[:1]))
     got, wall = replay(server.url, [conversation], 1, "default", filler, args.timeout)
     return {"seconds": round(wall, 2), "prompt_tokens": got[0].prompt_tokens if got else None,
             "error": got[0].error if got else "no request"}
@@ -358,12 +376,83 @@ def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -
         (args.out / "replay_suite.svg").write_text(svg(result["rows"], levels), encoding="utf-8")
 
 
+@dataclass
+class Suite:
+    """One suite run: settings, the realized trajectories, the result being written, the clock."""
+
+    args: argparse.Namespace
+    trajectories: list
+    filler: Any
+    levels: list[int]
+    result: dict[str, Any]
+    started: float
+    status: int = 0
+    tails: dict[int, float] = field(default_factory=dict)
+    launched: dict[str, float] = field(default_factory=dict)
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    def note(self, text: str, failed: bool = True) -> None:
+        self.result["notes"].append(text)
+        self.status = self.status or int(failed)
+        log(text, self.started)
+
+    def launch(self, server: Server) -> None:
+        log(f"{server.name}: starting: {shlex.join(server.argv)}", self.started)
+        self.launched[server.name] = time.time()
+        server.start()
+
+    def ready(self, server: Server) -> bool:
+        """Wait for `server`'s /health and send the warm-up request; False (noted) on failure."""
+        try:
+            server.wait(self.args.ready_timeout)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            server.stop()
+            self.result["servers"][server.name] = {"argv": server.argv, "error": str(exc)[-2000:]}
+            self.note(f"{server.name} server did not start: {str(exc)[:300]}")
+            return False
+        startup = time.time() - self.launched[server.name]
+        warmup = warm_up(server, self.trajectories, self.filler, self.args, self.started)
+        self.result["servers"][server.name] = {"argv": server.argv, "startup_s": round(startup, 1), "warmup": warmup}
+        log(f"{server.name}: ready in {startup:.0f} s; warm-up request {warmup}", self.started)
+        return True
+
+    def replay_phase(self, server: Server, methods: list, phase_end: float) -> None:
+        """Every (method, concurrency) of one server, each starting new requests for its share of the
+        time left before `phase_end`, less the tail (requests still in flight) seen at its level."""
+        runs = [(m, c) for m in methods for c in self.levels]
+        settings = replay_args(self.args, server.url)
+        for k, (method, level) in enumerate(runs):
+            if self.elapsed() > self.args.deadline_s:
+                self.note(f"{server.name}: {method.name} c={level} skipped, past the {self.args.deadline_s:.0f} s "
+                          "deadline")
+                continue
+            tail = self.tails.get(level, max(self.tails.values(), default=0.0))
+            run_s = max(MIN_RUN_S, (phase_end - time.time()) / (len(runs) - k) - tail)
+            log(f"{server.name}: {method.name} c={level}: new requests for {run_s:.0f} s", self.started)
+            row, got = serve_replay.run_one(server.url, self.trajectories, self.filler, method, level, settings,
+                                            f"{self.started}/{server.name}/{method.name}/{level}", run_s)
+            self.tails[level] = max(0.0, row["wall_s"] - run_s)
+            backend = self.args.akv_backend if server.name == "patched" else self.args.backend
+            row = {"server": server.name, "backend": backend,
+                   "summary_requests": sum(s.kind == "summary" for s in got), **row}
+            self.result["rows"].append(row)
+            log(serve_replay.progress_line(row).strip(), self.started)
+            write(self.args, self.result, self.levels)
+
+    def phase_end(self, runs_now: int, runs_later: int, starts_later: int, startup_s: float) -> float:
+        """When this phase should end: its share (by runs) of the planned time left."""
+        left = self.args.target_s - self.elapsed() - starts_later * (startup_s + 10)
+        return time.time() + max(0.0, left) * runs_now / max(1, runs_now + runs_later)
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the rows
     args = parse_args(argv)
     command = "python tools/gpu/replay_suite.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    knobs = {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")}
     levels = [int(c) for c in args.concurrency.split(",")]
     log(f"settings {json.dumps(settings)}", started)
     make_model(args)
@@ -372,71 +461,56 @@ def main(argv: list[str] | None = None) -> int:
     stock, patched = servers(args)
     phases = [(stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url))),
               (patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url)))]
-    phases = [(s, m) for s, m in phases if m]
+    phases = [(server, methods) for server, methods in phases if methods]
     prepared = replay_args(args, stock.url)
     trajectories, filler = serve_replay.with_messages(serve_replay.load_trajectories(prepared), prepared)
-    log(f"{len(trajectories)} trajectories realized; phases {[(s.name, [m.name for m in ms]) for s, ms in phases]}; "
-        f"concurrency {levels}", started)
+    log(f"{len(trajectories)} trajectories realized; {[(s.name, [m.name for m in ms]) for s, ms in phases]}; "
+        f"concurrency {levels}; servers {args.servers}", started)
     label = (f"{'CPU dry run, tiny random Qwen3 (FP32)' if args.dry_run else 'H200, Qwen3-8B shape, dummy weights, bf16'}"
              f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
-             f"({args.akv_backend} attention) for AKV; thresholds {args.thresholds}, keep {args.keep}, "
-             f"{args.count} {args.preset} trajectories from turn {args.start_turn}")
-    result: dict[str, Any] = {"command": command, "knobs": knobs, "settings": settings, "label": label,
-                              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "goals": GOALS,
-                              "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}
-    startup_estimate = 60.0 if args.dry_run else 120.0
-    status = 0
-    for p, (server, methods) in enumerate(phases):
-        runs = [(m, c) for m in methods for c in levels]
-        if time.time() - started > args.deadline_s:
-            result["notes"].append(f"{server.name}: not started, past the {args.deadline_s:.0f} s deadline")
-            status = 1
-            break
-        log(f"{server.name}: starting: {shlex.join(server.argv)}", started)
-        t0 = time.time()
-        try:
-            server.start()
-            server.wait(args.ready_timeout)
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            server.stop()
-            log(f"{server.name}: FAILED to start: {exc}", started)
-            result["servers"][server.name] = {"argv": server.argv, "error": str(exc)[-2000:]}
-            result["notes"].append(f"{server.name} server did not start: {str(exc)[:300]}")
-            status = 1
-            write(args, result, levels)
-            continue
-        startup_estimate = time.time() - t0
-        warmup = warm_up(server, trajectories, filler, args, started)
-        result["servers"][server.name] = {"argv": server.argv, "startup_s": round(startup_estimate, 1),
-                                          "warmup": warmup}
-        log(f"{server.name}: ready in {startup_estimate:.0f} s, warm-up request: {warmup}", started)
-        later_runs = sum(len(ms) * len(levels) for _, ms in phases[p + 1:])
-        later_starts = len(phases) - p - 1
-        replay_left = args.target_s - (time.time() - started) - later_starts * (startup_estimate + 10)
-        phase_end = time.time() + max(0.0, replay_left) * len(runs) / (len(runs) + later_runs)
-        settings_for = replay_args(args, server.url)
-        try:
-            for k, (method, level) in enumerate(runs):
-                if time.time() - started > args.deadline_s:
-                    result["notes"].append(f"{method.name} c={level}: skipped, past the {args.deadline_s:.0f} s deadline")
-                    status = 1
+             f"({args.akv_backend} attention) for AKV, {args.servers}; thresholds {args.thresholds}, keep "
+             f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}, output cap "
+             f"{args.max_output_tokens or 'none'}")
+    result: dict[str, Any] = {
+        "command": command, "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
+        "settings": settings, "label": label, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "goals": GOALS, "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}
+    suite = Suite(args, trajectories, filler, levels, result, started)
+    n_runs = [len(methods) * len(levels) for _, methods in phases]
+    try:
+        if args.servers == "together":
+            for server, _ in phases:
+                suite.launch(server)
+            up = [server for server, _ in phases if suite.ready(server)]
+            end = suite.phase_end(sum(n_runs), 0, 0, 0.0)
+            for p, (server, methods) in enumerate(phases):
+                if server in up:
+                    suite.replay_phase(server, methods, time.time() + (end - time.time()) * n_runs[p] / sum(n_runs[p:]))
+        else:
+            startup_s = 60.0 if args.dry_run else 120.0
+            for p, (server, methods) in enumerate(phases):
+                if suite.elapsed() > args.deadline_s:
+                    suite.note(f"{server.name}: not started, past the {args.deadline_s:.0f} s deadline")
                     continue
-                run_s = max(MIN_RUN_S, (phase_end - time.time()) / (len(runs) - k))
-                log(f"{server.name}: {method.name} c={level}, new requests for {run_s:.0f} s", started)
-                row, got = serve_replay.run_one(server.url, trajectories, filler, method, level, settings_for,
-                                                f"{started}/{server.name}/{method.name}/{level}", run_s)
-                row = {"server": server.name, "summary_requests": sum(s.kind == "summary" for s in got), **row}
-                result["rows"].append(row)
-                log(serve_replay.progress_line(row).strip(), started)
-                write(args, result, levels)
-        finally:
+                suite.launch(server)
+                if not suite.ready(server):
+                    continue
+                startup_s = result["servers"][server.name]["startup_s"]
+                end = suite.phase_end(n_runs[p], sum(n_runs[p + 1:]), len(phases) - p - 1, startup_s)
+                try:
+                    suite.replay_phase(server, methods, end)
+                finally:
+                    server.stop()
+                    log(f"{server.name}: stopped", started)
+    finally:
+        for server, _ in phases:
             server.stop()
-            log(f"{server.name}: stopped", started)
-    result["total_s"] = round(time.time() - started, 1)
-    write(args, result, levels)
+        result["total_s"] = round(time.time() - started, 1)
+        write(args, result, levels)
     log("\n" + (args.out / "replay_suite.md").read_text(), started)
-    log(f"done; wrote {sorted(p.name for p in args.out.glob('replay_suite.*'))} to {args.out}", started)
-    return status
+    log(f"done in {result['total_s']:.0f} s; wrote {sorted(p.name for p in args.out.glob('replay_suite.*'))} to "
+        f"{args.out}", started)
+    return suite.status
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""The replay suite's report: AKV vs Standard ratios at equal concurrency against the goals, each
+method's best concurrency, and the markdown table (hand-worked rows, no servers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("replay_suite", ROOT / "tools" / "gpu" / "replay_suite.py")
+suite = sys.modules.setdefault("replay_suite", importlib.util.module_from_spec(spec))
+spec.loader.exec_module(suite)
+
+
+def _row(method, concurrency, out, p95, server="stock", **extra):
+    return {"method": method, "server": server, "concurrency": concurrency, "requests": 10, "failed": 0,
+            "output_tok_per_s": out, "input_tok_per_s": out * 100, "latency_p50_s": p95 / 2, "latency_p95_s": p95,
+            "ttft_p50_s": 1.0, "ttft_p95_s": 2.0, **extra}
+
+
+ROWS = [_row("standard", 4, 100.0, 10.0), _row("standard", 16, 200.0, 40.0), _row("trim", 16, 250.0, 30.0),
+        _row("akv_keep12", 4, 160.0, 4.0, "patched"), _row("akv_keep12", 16, 240.0, 32.0, "patched"),
+        _row("akv_keep12", 1, 50.0, 1.0, "patched")]
+
+
+def test_ratios_compare_akv_with_standard_at_equal_concurrency():
+    got = {q["concurrency"]: q for q in suite.ratios(ROWS)}
+    assert set(got) == {4, 16}  # no Standard row at concurrency 1
+    assert got[4]["output_tok_per_s"] == 1.6 and got[4]["latency_p95_s"] == 2.5
+    assert got[4]["meets_output_goal"] and got[4]["meets_p95_goal"]
+    assert got[16]["output_tok_per_s"] == 1.2 and got[16]["latency_p95_s"] == 1.25
+    assert not got[16]["meets_output_goal"] and not got[16]["meets_p95_goal"]
+    assert got[16]["input_tok_per_s"] == 1.2 and got[16]["ttft_p95_s"] == 1.0
+
+
+def test_best_concurrency_and_markdown():
+    assert suite.best(ROWS, "akv_keep12")["concurrency"] == 16
+    assert suite.best(ROWS, "full") is None
+    result = {"command": "python tools/gpu/replay_suite.py", "label": "test", "rows": ROWS,
+              "ratios": suite.ratios(ROWS), "best": {m: suite.best(ROWS, m) for m in ("standard", "akv_keep12")},
+              "notes": ["patched: akv_keep12 c=32 skipped"]}
+    text = suite.markdown(result)
+    assert text.count("| akv_keep12 | patched |") == 3
+    assert "| akv_keep12 | 4 | 1.60x | 1.60x | 2.50x | 2.50x | 1.00x | 1.00x | met | met |" in text
+    assert "akv_keep12 c=16 240.0 tok/s" in text and "- patched: akv_keep12 c=32 skipped" in text
