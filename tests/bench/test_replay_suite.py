@@ -1,11 +1,14 @@
-"""The replay suite's report: AKV vs Standard ratios at equal concurrency against the goals, each
-method's best concurrency, and the markdown table (hand-worked rows, no servers)."""
+"""The replay suite: AKV vs Standard ratios at equal concurrency against the goals, each method's
+best concurrency and the markdown table (hand-worked rows); its CPU dry run end to end (slow)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("replay_suite", ROOT / "tools" / "gpu" / "replay_suite.py")
@@ -44,3 +47,22 @@ def test_best_concurrency_and_markdown():
     assert text.count("| akv_keep12 | patched |") == 3
     assert "| akv_keep12 | 4 | 1.60x | 1.60x | 2.50x | 2.50x | 1.00x | 1.00x | met | met |" in text
     assert "akv_keep12 c=16 240.0 tok/s" in text and "- patched: akv_keep12 c=32 skipped" in text
+
+
+@pytest.mark.slow
+def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(tmp_path):
+    """The suite's --dry-run end to end on CPU: both CPU servers start from the pinned wheel, trim
+    runs on stock SGLang (plain requests: no AKV usage), AKV on the patched server (its usage shows
+    the drops), and the files are written."""
+    argv = ["--dry-run", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--concurrency", "1",
+            "--stock-methods", "trim", "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
+    assert suite.main(argv) == 0
+    result = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 4 for r in rows.values())
+    assert rows["trim"]["server"] == "stock" and not rows["trim"]["server_reported_akv_usage"]
+    assert rows["akv_keep12"]["server"] == "patched" and rows["akv_keep12"]["drop_skipped_tokens"] > 0
+    assert [q["method"] for q in result["ratios"]] == []  # no Standard row to compare with
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"replay_suite.json", "replay_suite.md",
+                                                               "replay_suite.svg", "server-stock.log",
+                                                               "server-patched.log"}

@@ -14,11 +14,15 @@ tests/sglang_cpu (stock and patched sites installed from the pinned wheel) and a
 
 Each setting is a flag with its default from an environment variable (run.sh runs the script
 without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (4 trajectories),
-AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (10), AKV_REPLAY_MAX_TURNS (none),
-AKV_REPLAY_STOCK_METHODS (full,standard,text_engineering,trim), AKV_REPLAY_AKV_METHODS (akv_keep12),
-AKV_REPLAY_THRESHOLDS (96000,48000: Standard, Text Engineering), AKV_REPLAY_TARGET_S (330: the
-suite's wall time it plans for), AKV_REPLAY_DEADLINE_S (450: no run starts later), AKV_REPLAY_BACKEND
-(triton), AKV_REPLAY_MEM_FRACTION (0.85), AKV_REPLAY_OUT (default $OUT).
+AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (12), AKV_REPLAY_MAX_TURNS (60; 0 = whole),
+AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPLAY_STOCK_METHODS
+(full,standard,text_engineering,trim), AKV_REPLAY_AKV_METHODS (akv_keep12), AKV_REPLAY_THRESHOLDS
+(96000,48000: Standard, Text Engineering), AKV_REPLAY_KEEP (12), AKV_REPLAY_TARGET_S (330: the
+suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (420: no run that would
+end later starts), AKV_REPLAY_SERVERS (in-turn | together), AKV_REPLAY_MEM_FRACTION,
+AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (triton) and AKV_REPLAY_AKV_BACKEND (default: the same),
+AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_TIMEOUT_S (240 per socket operation), AKV_REPLAY_OUT
+(default $OUT).
 """
 
 from __future__ import annotations
@@ -50,8 +54,7 @@ from bench.agent_replay.serve import prepare, replay  # noqa: E402
 GOALS = {"output_tok_per_s": 1.5, "latency_p95_s": 2.0}
 """AKV vs Standard at equal concurrency: output throughput at least 1.5x, P95 latency at least 2x lower."""
 GPU_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--page-size", "1", "--chunked-prefill-size", "8192",
-             "--cuda-graph-max-bs", "16", "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch",
-             "--context-length", "131072"]
+             "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch", "--context-length", "131072"]
 CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--page-size", "1", "--disable-cuda-graph", "--sampling-backend",
              "pytorch", "--max-total-tokens", "16384", "--chunked-prefill-size", "256", "--skip-server-warmup",
              "--mem-fraction-static", "0.5", "--enable-cache-report"]
@@ -105,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--mem-fraction-static of each server (default 0.85 in turn, 0.42 together)")
     p.add_argument("--pool-tokens", type=int, default=int(env("AKV_REPLAY_POOL_TOKENS", "0")) or None,
                    help="--max-total-tokens of each server (default: none in turn, 150000 together)")
+    p.add_argument("--prefill-graphs", action="store_true", default=os.environ.get("AKV_REPLAY_PREFILL_GRAPHS") == "1",
+                   help="keep SGLang's prefill CUDA graphs (default off for both servers: the patched server runs "
+                        "context rounds without them, and their capture adds about 30 s to each start)")
     p.add_argument("--timeout", type=float, default=float(env("AKV_REPLAY_TIMEOUT_S", "240")),
                    help="seconds per socket operation of a request")
     p.add_argument("--ready-timeout", type=float, default=float(env("AKV_REPLAY_READY_TIMEOUT_S", "420")))
@@ -122,6 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.stock_site = args.work / "stock-site"
     args.logs = args.logs or args.out
     args.akv_backend = args.akv_backend or args.backend
+    args.levels = [int(c) for c in args.concurrency.split(",")]
     together = args.servers == "together"
     args.mem_fraction = args.mem_fraction or ("0.42" if together else "0.85")
     args.pool_tokens = args.pool_tokens or (150_000 if together else None)
@@ -239,7 +246,10 @@ class Server:
 def servers(args: argparse.Namespace) -> list[Server]:
     """Stock first (the text methods), then patched (AKV)."""
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction]
+    flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction,
+                                            "--cuda-graph-max-bs", str(max(16, *args.levels))]
+    if not args.dry_run and not args.prefill_graphs:
+        flags = [*flags, "--cuda-graph-backend-prefill", "disabled"]
     if args.pool_tokens and not args.dry_run:
         flags = [*flags, "--max-total-tokens", str(args.pool_tokens)]
     if args.dry_run and importlib.util.find_spec("prometheus_client") is not None:
@@ -424,11 +434,11 @@ class Suite:
         runs = [(m, c) for m in methods for c in self.levels]
         settings = replay_args(self.args, server.url)
         for k, (method, level) in enumerate(runs):
-            if self.elapsed() > self.args.deadline_s:
-                self.note(f"{server.name}: {method.name} c={level} skipped, past the {self.args.deadline_s:.0f} s "
-                          "deadline")
-                continue
             tail = self.tails.get(level, max(self.tails.values(), default=0.0))
+            if self.elapsed() + MIN_RUN_S + tail > self.args.deadline_s:
+                self.note(f"{server.name}: {method.name} c={level} skipped: it would end past the "
+                          f"{self.args.deadline_s:.0f} s deadline")
+                continue
             run_s = max(MIN_RUN_S, (phase_end - time.time()) / (len(runs) - k) - tail)
             log(f"{server.name}: {method.name} c={level}: new requests for {run_s:.0f} s", self.started)
             row, got = serve_replay.run_one(server.url, self.trajectories, self.filler, method, level, settings,
@@ -453,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python tools/gpu/replay_suite.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.levels
     log(f"settings {json.dumps(settings)}", started)
     make_model(args)
     make_sites(args)
