@@ -13,7 +13,7 @@ triton attention (``AKV_REPLAY_BACKEND=flashinfer`` for stock, when the patched 
 tests/sglang_cpu (stock and patched sites installed from the pinned wheel) and a tiny trajectory set.
 
 Each setting is a flag with its default from an environment variable (run.sh runs the script
-without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (4 trajectories),
+without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (8 trajectories),
 AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (12), AKV_REPLAY_MAX_TURNS (60; 0 = whole),
 AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPLAY_STOCK_METHODS
 (full,standard,text_engineering,trim), AKV_REPLAY_AKV_METHODS (akv_keep12), AKV_REPLAY_THRESHOLDS
@@ -80,7 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path(env("AKV_REPLAY_WORK", "/tmp/akv-replay-suite")),
                    help="--dry-run: where the CPU sites and the tiny model are built (kept between runs)")
     p.add_argument("--concurrency", default=env("AKV_REPLAY_CONCURRENCY", "1,4,16"))
-    p.add_argument("--count", type=int, default=int(env("AKV_REPLAY_COUNT", "4")))
+    p.add_argument("--count", type=int, default=int(env("AKV_REPLAY_COUNT", "8")),
+                   help="distinct trajectories (conversation k replays trajectory k mod count)")
     p.add_argument("--preset", default=env("AKV_REPLAY_PRESET", "swe"))
     p.add_argument("--start-turn", type=int, default=int(env("AKV_REPLAY_START_TURN", "12")),
                    help="first turn sent (its prompt prefilled cold); from about turn 11 the SWE-like set holds "
@@ -230,17 +231,37 @@ class Server:
         raise TimeoutError(f"{self.name} server not ready in {timeout:.0f} s")
 
     def stop(self) -> None:
+        """End the whole process group (launcher, scheduler, detokenizer) and wait until none of it
+        is left, so that the next server finds the GPU memory free."""
         if self.process is None:
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.process.pid, sig)
                 self.process.wait(timeout=30)
-                break
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
+                pass
+            if not self._group_alive(15 if sig == signal.SIGTERM else 10):
+                break
         self._log.close()
         self.process = None
+
+    def _group_alive(self, seconds: float) -> bool:
+        """Whether a live (not zombie) process of the group is left after waiting up to `seconds`."""
+        deadline = time.time() + seconds
+        while True:
+            alive = False
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == self.process.pid and fields[0] != "Z":
+                    alive = True
+                    break
+            if not alive or time.time() > deadline:
+                return alive
+            time.sleep(0.5)
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
