@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reasoning-field", action="store_true", help="send reasoning as reasoning_content (templates "
                                                                   "that render it, e.g. Qwen3's)")
     p.add_argument("--trajectories", type=Path, help="JSONL of per-message token counts (default: synthetic)")
-    p.add_argument("--preset", choices=sorted(PRESETS), action="append", help="synthetic presets (default: swe and browse)")
+    p.add_argument("--preset", choices=sorted(PRESETS), action="append",
+                   help="synthetic presets (default: swe and browse)")
     p.add_argument("--count", type=int, default=4, help="synthetic trajectories per preset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-turns", type=int, help="cut each trajectory to its first N calls")

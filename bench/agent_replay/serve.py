@@ -73,9 +73,10 @@ def prepare(trajectory: Trajectory, method: Method, copies: Sequence[int], fille
 def payload(conversation: Conversation, request: Request, model: str, filler: Filler, *,
             ignore_eos: bool = True) -> dict[str, Any]:
     """The chat completion body of one request: the pieces as chat messages, the fixed output
-    length (`ignore_eos`, an SGLang field, keeps it fixed), and AKV's fields if any. Original messages are sent as realized (exact token counts);
-    summaries and instructions get `filler` text of about their piece's tokens (the template's
-    scaffolding estimated as MESSAGE_OVERHEAD), placeholders the fixed PLACEHOLDER text."""
+    length (`ignore_eos`, an SGLang field, keeps it fixed), and AKV's fields if any. Original
+    messages are sent as realized (exact token counts); summaries and instructions get `filler`
+    text of about their piece's tokens (the template's scaffolding estimated as MESSAGE_OVERHEAD),
+    placeholders the fixed PLACEHOLDER text."""
     messages: list[dict[str, Any]] = []
     for piece in request.pieces:
         kind, k = piece.key

@@ -3,17 +3,17 @@ best concurrency and the markdown table (hand-worked rows); its CPU dry run end 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench.agent_replay import suite_report as report
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("replay_suite", ROOT / "tools" / "gpu" / "replay_suite.py")
-suite = sys.modules.setdefault("replay_suite", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(suite)
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+import replay_suite  # noqa: E402
 
 
 def _row(method, concurrency, out, p95, server="stock", **extra):
@@ -28,7 +28,7 @@ ROWS = [_row("standard", 4, 100.0, 10.0), _row("standard", 16, 200.0, 40.0), _ro
 
 
 def test_ratios_compare_akv_with_standard_at_equal_concurrency():
-    got = {q["concurrency"]: q for q in suite.ratios(ROWS)}
+    got = {q["concurrency"]: q for q in report.ratios(ROWS)}
     assert set(got) == {4, 16}  # no Standard row at concurrency 1
     assert got[4]["output_tok_per_s"] == 1.6 and got[4]["latency_p95_s"] == 2.5
     assert got[4]["meets_output_goal"] and got[4]["meets_p95_goal"]
@@ -38,12 +38,12 @@ def test_ratios_compare_akv_with_standard_at_equal_concurrency():
 
 
 def test_best_concurrency_and_markdown():
-    assert suite.best(ROWS, "akv_keep12")["concurrency"] == 16
-    assert suite.best(ROWS, "full") is None
+    assert report.best(ROWS, "akv_keep12")["concurrency"] == 16
+    assert report.best(ROWS, "full") is None
     result = {"command": "python tools/gpu/replay_suite.py", "label": "test", "rows": ROWS,
-              "ratios": suite.ratios(ROWS), "best": {m: suite.best(ROWS, m) for m in ("standard", "akv_keep12")},
+              "ratios": report.ratios(ROWS), "best": {m: report.best(ROWS, m) for m in ("standard", "akv_keep12")},
               "notes": ["patched: akv_keep12 c=32 skipped"]}
-    text = suite.markdown(result)
+    text = report.markdown(result)
     assert text.count("| akv_keep12 | patched |") == 3
     assert "| akv_keep12 | 4 | 1.60x | 1.60x | 2.50x | 2.50x | 1.00x | 1.00x | met | met |" in text
     assert "akv_keep12 c=16 240.0 tok/s" in text and "- patched: akv_keep12 c=32 skipped" in text
@@ -56,7 +56,7 @@ def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(tmp_
     the drops), and the files are written."""
     argv = ["--dry-run", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--concurrency", "1",
             "--stock-methods", "trim", "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
-    assert suite.main(argv) == 0
+    assert replay_suite.main(argv) == 0
     result = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 4 for r in rows.values())

@@ -47,12 +47,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
 from bench import serve_replay  # noqa: E402
-from bench.agent_replay import plots  # noqa: E402
 from bench.agent_replay.methods import FullContext  # noqa: E402
 from bench.agent_replay.serve import prepare, replay  # noqa: E402
+from bench.agent_replay.suite_report import GOALS, best, markdown, ratios, svg  # noqa: E402
 
-GOALS = {"output_tok_per_s": 1.5, "latency_p95_s": 2.0}
-"""AKV vs Standard at equal concurrency: output throughput at least 1.5x, P95 latency at least 2x lower."""
 GPU_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--page-size", "1", "--chunked-prefill-size", "8192",
              "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch", "--context-length", "131072"]
 CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--page-size", "1", "--disable-cuda-graph", "--sampling-backend",
@@ -168,8 +166,8 @@ def make_model(args: argparse.Namespace) -> None:
 
 
 def pip_target(wheel: Path, target: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--upgrade", "--target",
-                    str(target), str(wheel)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--upgrade",
+                    "--target", str(target), str(wheel)], check=True)
 
 
 def make_sites(args: argparse.Namespace) -> None:
@@ -210,6 +208,11 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def command(self) -> str:
+        """The command line as recorded (interpreter as `python`, PYTHONPATH shown)."""
+        return f"PYTHONPATH={self.env.get('PYTHONPATH', '')} " + shlex.join(["python", *self.argv[1:]])
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +289,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
     stock_path = os.pathsep.join([*cpu_site, str(args.stock_site), *extra])
     model = ["--model-path", str(args.model)]
     return [Server("stock", [sys.executable, "-m", "sglang.launch_server", *model, *flags, "--attention-backend",
-                             args.backend], {**base, "PYTHONPATH": stock_path}, args.port, args.logs / "server-stock.log"),
+                             args.backend], {**base, "PYTHONPATH": stock_path}, args.port,
+                   args.logs / "server-stock.log"),
             Server("patched", [sys.executable, "-m", "akv.system.launch_server", *model, *flags, "--attention-backend",
                                args.akv_backend], {**base, "PYTHONPATH": patched_path}, args.port + 1,
                    args.logs / "server-patched.log")]
@@ -318,83 +322,6 @@ def warm_up(server: Server, trajectories: list, filler: Any, args: argparse.Name
     got, wall = replay(server.url, [conversation], 1, "default", filler, args.timeout)
     return {"seconds": round(wall, 2), "prompt_tokens": got[0].prompt_tokens if got else None,
             "error": got[0].error if got else "no request"}
-
-
-def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per AKV row: AKV vs Standard at the same concurrency (output and input throughput as AKV/
-    Standard, P50/P95 latency and TTFT as Standard/AKV: above 1 is AKV better), next to the goals."""
-    standard = {r["concurrency"]: r for r in rows if r["method"] == "standard" and r.get("requests")}
-    out = []
-    for row in rows:
-        base = standard.get(row["concurrency"])
-        if not row["method"].startswith("akv") or base is None or not row.get("requests"):
-            continue
-        entry = {"method": row["method"], "concurrency": row["concurrency"]}
-        for key in ("output_tok_per_s", "input_tok_per_s"):
-            entry[key] = row[key] / base[key] if row.get(key) and base.get(key) else None
-        for key in ("latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s"):
-            entry[key] = base[key] / row[key] if row.get(key) and base.get(key) else None
-        entry["meets_output_goal"] = entry["output_tok_per_s"] is not None and \
-            entry["output_tok_per_s"] >= GOALS["output_tok_per_s"]
-        entry["meets_p95_goal"] = entry["latency_p95_s"] is not None and entry["latency_p95_s"] >= GOALS["latency_p95_s"]
-        out.append(entry)
-    return out
-
-
-def best(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
-    """The method's row with the highest output throughput (its own best concurrency)."""
-    got = [r for r in rows if r["method"] == method and r.get("output_tok_per_s")]
-    return max(got, key=lambda r: r["output_tok_per_s"]) if got else None
-
-
-def markdown(result: dict[str, Any]) -> str:
-    rows = result["rows"]
-    lines = [f"`{result['command']}`", "", result["label"], "",
-             "| method | server | conc. | requests | failed | summaries | output tok/s | input tok/s | cached | read "
-             "| P50 s | P95 s | TTFT P50 s | TTFT P95 s | KV pool peak | KV tokens peak |",
-             "|" + "---|" * 16]
-
-    def cell(value: Any, digits: int = 2) -> str:
-        return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-    for r in rows:
-        lines.append("| " + " | ".join([r["method"], r["server"], str(r["concurrency"]), cell(r.get("requests")),
-                                        cell(r.get("failed")), cell(r.get("summary_requests")),
-                                        cell(r.get("output_tok_per_s"), 1), cell(r.get("input_tok_per_s"), 0),
-                                        cell(r.get("cached_fraction")), cell(r.get("read_fraction")),
-                                        cell(r.get("latency_p50_s")), cell(r.get("latency_p95_s")),
-                                        cell(r.get("ttft_p50_s")), cell(r.get("ttft_p95_s")),
-                                        cell(r.get("kv_token_usage_max")), cell(r.get("kv_used_tokens_max"), 0)]) + " |")
-    lines += ["", "AKV vs Standard at equal concurrency (above 1: AKV better; goals: output throughput >= "
-              f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
-              "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
-              "| output goal | P95 goal |", "|" + "---|" * 10]
-    for q in result["ratios"]:
-        lines.append("| " + " | ".join([q["method"], str(q["concurrency"]), *(
-            "-" if q[k] is None else f"{q[k]:.2f}x" for k in ("output_tok_per_s", "input_tok_per_s", "latency_p50_s",
-                                                              "latency_p95_s", "ttft_p50_s", "ttft_p95_s")),
-            "met" if q["meets_output_goal"] else "not met", "met" if q["meets_p95_goal"] else "not met"]) + " |")
-    own = result.get("best")
-    if own:
-        lines += ["", "Each method at its own best concurrency (highest output throughput): " + "; ".join(
-            f"{m} c={r['concurrency']} {r['output_tok_per_s']:.1f} tok/s, P95 {r['latency_p95_s'] or 0:.2f} s"
-            for m, r in own.items() if r)]
-    if result.get("notes"):
-        lines += ["", *[f"- {n}" for n in result["notes"]]]
-    return "\n".join(lines) + "\n"
-
-
-def svg(rows: list[dict[str, Any]], levels: list[int]) -> str:
-    """Output throughput and P95 latency per method, by position in the concurrency sweep."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-
-    def series(key: str) -> dict[str, list[float]]:
-        by = {(r["method"], r["concurrency"]): r.get(key) or 0.0 for r in rows}
-        return {m: [by.get((m, c), 0.0) for c in levels] for m in methods}
-
-    label = "concurrency " + ", ".join(str(c) for c in levels) + " (by position)"
-    return plots.line_panels([("output tokens/s", series("output_tok_per_s")),
-                              ("P95 request latency, s", series("latency_p95_s"))], label)
 
 
 def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -> None:
@@ -430,7 +357,7 @@ class Suite:
         log(text, self.started)
 
     def launch(self, server: Server) -> None:
-        log(f"{server.name}: starting: {shlex.join(server.argv)}", self.started)
+        log(f"{server.name}: starting: {server.command}", self.started)
         self.launched[server.name] = time.time()
         server.start()
 
@@ -440,12 +367,13 @@ class Suite:
             server.wait(self.args.ready_timeout)
         except (RuntimeError, TimeoutError, OSError) as exc:
             server.stop()
-            self.result["servers"][server.name] = {"argv": server.argv, "error": str(exc)[-2000:]}
+            self.result["servers"][server.name] = {"command": server.command, "error": str(exc)[-2000:]}
             self.note(f"{server.name} server did not start: {str(exc)[:300]}")
             return False
         startup = time.time() - self.launched[server.name]
         warmup = warm_up(server, self.trajectories, self.filler, self.args, self.started)
-        self.result["servers"][server.name] = {"argv": server.argv, "startup_s": round(startup, 1), "warmup": warmup}
+        self.result["servers"][server.name] = {"command": server.command, "startup_s": round(startup, 1),
+                                               "warmup": warmup}
         log(f"{server.name}: ready in {startup:.0f} s; warm-up request {warmup}", self.started)
         return True
 
@@ -497,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     trajectories, filler = serve_replay.with_messages(serve_replay.load_trajectories(prepared), prepared)
     log(f"{len(trajectories)} trajectories realized; {[(s.name, [m.name for m in ms]) for s, ms in phases]}; "
         f"concurrency {levels}; servers {args.servers}", started)
-    label = (f"{'CPU dry run, tiny random Qwen3 (FP32)' if args.dry_run else 'H200, Qwen3-8B shape, dummy weights, bf16'}"
+    machine = "CPU dry run, tiny random Qwen3 (FP32)" if args.dry_run else "H200, Qwen3-8B shape, dummy weights, bf16"
+    label = (f"{machine}"
              f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
              f"({args.akv_backend} attention) for AKV, {args.servers}; thresholds {args.thresholds}, keep "
              f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}, output cap "
