@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                  "refuse it, e.g. akv.system.reference_server)")
     p.add_argument("--run-tag", default=f"{time.time_ns()}", help="drawn into every conversation's tag (default: "
                                                                  "the start time), so that no run reuses another's KV")
+    p.add_argument("--prime", action="store_true", help="send each conversation's first request unmeasured and "
+                                                        "start the run once all are back (steady state)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each finished conversation")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
@@ -152,7 +154,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Method, level: int,
             args: argparse.Namespace, run_tag: str, run_seconds: float | None) -> tuple[dict[str, Any], list[Sample]]:
     """One (method, concurrency) run on a flushed server: `args.conversations` (default `level`)
-    conversations tagged with `run_tag`, KV pool usage sampled from /metrics while it runs."""
+    conversations tagged with `run_tag`, KV pool usage sampled from /metrics while it runs;
+    `total_s` includes the priming requests (`--prime`)."""
     n = args.conversations or level
     conversations = [c for k in range(n) for c in prepare(trajectories[k % len(trajectories)], method, [k], filler,
                                                           args.start_turn, run_tag)]
@@ -163,13 +166,15 @@ def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Me
     flushed = flush(url)
     monitor = PoolMonitor(url).start()
     progress = (lambda line: print(f"    {method.name} c={level}: {line}", flush=True)) if args.verbose else None
+    began = time.monotonic()
     try:
         got, wall = replay(url, conversations, level, args.model, filler, args.timeout, run_seconds=run_seconds,
-                           progress=progress, ignore_eos=not args.no_ignore_eos)
+                           progress=progress, ignore_eos=not args.no_ignore_eos, prime=args.prime)
     finally:
         monitor.stop()
-    row = {"method": method.name, "concurrency": level, "conversations": n, "flushed": flushed,
-           "run_seconds": run_seconds, **summarize(got, wall), **(monitor.summary() or {})}
+    row = {"method": method.name, "concurrency": level, "conversations": n, "flushed": flushed, "primed": args.prime,
+           "run_seconds": run_seconds, "total_s": time.monotonic() - began, **summarize(got, wall),
+           **(monitor.summary() or {})}
     return row, got
 
 

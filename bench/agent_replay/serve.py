@@ -129,15 +129,40 @@ Send = Callable[[str, dict[str, Any], float], Any]
 
 def replay(url: str, conversations: Sequence[Conversation], concurrency: int, model: str, filler: Filler,
            timeout_s: float = 600.0, send: Send | None = None, run_seconds: float | None = None,
-           progress: Callable[[str], None] | None = None, ignore_eos: bool = True) -> tuple[list[Sample], float]:
+           progress: Callable[[str], None] | None = None, ignore_eos: bool = True,
+           prime: bool = False) -> tuple[list[Sample], float]:
     """Run every conversation, at most `concurrency` at a time; a conversation stops at its first
     failed request (as an agent would). With `run_seconds`, no request starts after that many
-    seconds (those in flight finish). Returns the samples and the wall time in seconds."""
+    seconds (those in flight finish). With `prime`, every conversation first sends its first
+    request unmeasured, and the run (its clock, `run_seconds`, the samples) starts once all of
+    them are back: a steady state, each agent's context resident as it would be mid-trajectory
+    (needs no more conversations than `concurrency`). Returns the samples and the wall time in
+    seconds."""
+    if prime and len(conversations) > concurrency:
+        raise ValueError(f"prime: {len(conversations)} conversations, more than the concurrency {concurrency}")
     send = send or (lambda u, body, t: send_chat_request(u, body, timeout=t))
     queue = list(reversed(conversations))
     lock = threading.Lock()
     samples: list[Sample] = []
-    started = time.monotonic()
+    clock = {"started": time.monotonic()}
+    n_threads = min(concurrency, len(conversations))
+    primed = threading.Barrier(n_threads, action=lambda: clock.update(started=time.monotonic())) if prime else None
+
+    def run(conversation: Conversation, request: Request) -> Sample:
+        body = payload(conversation, request, model, filler, ignore_eos=ignore_eos)
+        t0 = time.monotonic()
+        started = clock["started"]
+        try:
+            result = send(url, body, timeout_s)
+        except BackendError as exc:
+            return Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind,
+                          t0 - started, None, time.monotonic() - t0, None, None, None, None, None, str(exc)[:300])
+        usage = result.usage
+        return Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind, t0 - started,
+                      result.timings.ttft_s, result.timings.total_s,
+                      *(getattr(usage, k) if usage is not None else None for k in (
+                          "prompt_tokens", "completion_tokens", "cached_tokens", "repos_tokens",
+                          "drop_skipped_tokens")))
 
     def worker() -> None:
         while True:
@@ -145,24 +170,21 @@ def replay(url: str, conversations: Sequence[Conversation], concurrency: int, mo
                 if not queue:
                     return
                 conversation = queue.pop()
-            for request in conversation.requests:
-                if run_seconds is not None and time.monotonic() - started >= run_seconds:
-                    return
-                body = payload(conversation, request, model, filler, ignore_eos=ignore_eos)
-                t0 = time.monotonic()
+            requests = conversation.requests
+            if primed is not None:
+                first = None
                 try:
-                    result = send(url, body, timeout_s)
-                except BackendError as exc:
-                    sample = Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind,
-                                    t0 - started, None, time.monotonic() - t0, None, None, None, None, None,
-                                    str(exc)[:300])
-                else:
-                    usage = result.usage
-                    sample = Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind,
-                                    t0 - started, result.timings.ttft_s, result.timings.total_s,
-                                    *(getattr(usage, k) if usage is not None else None for k in (
-                                        "prompt_tokens", "completion_tokens", "cached_tokens", "repos_tokens",
-                                        "drop_skipped_tokens")))
+                    first = run(conversation, requests[0]) if requests else None
+                finally:
+                    primed.wait()  # also when the request raised: the others must not wait forever
+                if first is not None and first.error is not None:
+                    with lock:
+                        samples.append(first)  # a failed priming request ends its conversation, counted
+                requests = requests[1:] if first is not None and first.error is None else ()
+            for request in requests:
+                if run_seconds is not None and time.monotonic() - clock["started"] >= run_seconds:
+                    return
+                sample = run(conversation, request)
                 with lock:
                     samples.append(sample)
                 if sample.error is not None:
@@ -170,12 +192,12 @@ def replay(url: str, conversations: Sequence[Conversation], concurrency: int, mo
             if progress is not None:
                 progress(f"conversation {conversation.index} ({conversation.trajectory.name}) done")
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(conversations)))]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(n_threads)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return samples, time.monotonic() - started
+    return samples, time.monotonic() - clock["started"]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -8,6 +8,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from akv.agent import ApproximateTokenCounter, CachePolicy, ResultSelection, TurnReposition
 from bench.agent_replay import loopback
 from bench.agent_replay.chat import Filler, realize
@@ -164,3 +166,17 @@ def test_pool_gauges_are_read_from_prometheus_text():
                       'sglang:num_used_tokens{model_name="default"} 4096.0', "sglang:max_total_num_tokens 16384",
                       'sglang:gen_throughput{model_name="default"} 7.5', "sglang:token_usage_other 3"])
     assert parse_gauges(text) == {"token_usage": 0.25, "used_tokens": 4096.0, "pool_tokens": 16384.0}
+
+
+def test_priming_sends_each_first_request_before_the_measured_run():
+    convs = [c for k in range(3) for c in prepare(_trajectory(k + 1), FullContext(), [k], FILLER)]
+    state = loopback.Loopback()
+    with loopback.serve(state) as url:
+        samples, _ = replay(url, convs, 3, "m", FILLER, timeout_s=30, prime=True)
+    firsts = {c.messages[0]["content"]: len(c.requests[0].pieces) for c in convs}
+    assert sorted((b["messages"][0]["content"], len(b["messages"])) for b in state.requests[:3]) == sorted(firsts.items())
+    assert len(state.requests) == sum(len(c.requests) for c in convs)
+    assert len(samples) == len(state.requests) - 3 and all(s.start_s >= 0 for s in samples)
+    assert {(s.conversation, s.turn) for s in samples} == {(c.index, r.turn) for c in convs for r in c.requests[1:]}
+    with pytest.raises(ValueError, match="more than the concurrency 2"):
+        replay(url, convs, 2, "m", FILLER, prime=True)

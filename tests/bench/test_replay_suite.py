@@ -53,13 +53,13 @@ def test_best_concurrency_and_markdown():
 def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(tmp_path):
     """The suite's --dry-run end to end on CPU: both CPU servers start from the pinned wheel, trim
     runs on stock SGLang (plain requests: no AKV usage), AKV on the patched server (its usage shows
-    the drops), and the files are written."""
+    the drops), each measured from its second request (primed), and the files are written."""
     argv = ["--dry-run", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--concurrency", "1",
             "--stock-methods", "trim", "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
     assert replay_suite.main(argv) == 0
     result = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 4 for r in rows.values())
+    assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 3 for r in rows.values())
     assert rows["trim"]["server"] == "stock" and not rows["trim"]["server_reported_akv_usage"]
     assert rows["akv_keep12"]["server"] == "patched" and rows["akv_keep12"]["drop_skipped_tokens"] > 0
     assert [q["method"] for q in result["ratios"]] == []  # no Standard row to compare with

@@ -21,7 +21,8 @@ AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPL
 suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (420: no run that would
 end later starts), AKV_REPLAY_SERVERS (in-turn | together), AKV_REPLAY_MEM_FRACTION,
 AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (triton) and AKV_REPLAY_AKV_BACKEND (default: the same),
-AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_TIMEOUT_S (240 per socket operation), AKV_REPLAY_OUT
+AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PRIME (1: measure from the second request of each
+conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per socket operation), AKV_REPLAY_OUT
 (default $OUT).
 """
 
@@ -107,6 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--mem-fraction-static of each server (default 0.85 in turn, 0.42 together)")
     p.add_argument("--pool-tokens", type=int, default=int(env("AKV_REPLAY_POOL_TOKENS", "0")) or None,
                    help="--max-total-tokens of each server (default: none in turn, 150000 together)")
+    p.add_argument("--prime", type=int, choices=(0, 1), default=int(env("AKV_REPLAY_PRIME", "1")),
+                   help="1: each conversation's cold first request is sent unmeasured and a run starts once all are "
+                        "back (steady state); 0: measure from the cold start")
     p.add_argument("--prefill-graphs", action="store_true", default=os.environ.get("AKV_REPLAY_PREFILL_GRAPHS") == "1",
                    help="keep SGLang's prefill CUDA graphs (default off for both servers: the patched server runs "
                         "context rounds without them, and their capture adds about 30 s to each start)")
@@ -309,6 +313,8 @@ def replay_args(args: argparse.Namespace, url: str) -> argparse.Namespace:
         argv += ["--max-turns", str(args.max_turns)]
     if args.max_output_tokens:
         argv += ["--max-output-tokens", str(args.max_output_tokens)]
+    if args.prime:
+        argv += ["--prime"]
     return serve_replay.parse_args(argv)
 
 
@@ -392,7 +398,7 @@ class Suite:
             log(f"{server.name}: {method.name} c={level}: new requests for {run_s:.0f} s", self.started)
             row, got = serve_replay.run_one(server.url, self.trajectories, self.filler, method, level, settings,
                                             f"{self.started}/{server.name}/{method.name}/{level}", run_s)
-            self.tails[level] = max(0.0, row["wall_s"] - run_s)
+            self.tails[level] = max(0.0, row["total_s"] - run_s)
             backend = self.args.akv_backend if server.name == "patched" else self.args.backend
             row = {"server": server.name, "backend": backend,
                    "summary_requests": sum(s.kind == "summary" for s in got), **row}
@@ -429,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     label = (f"{machine}"
              f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
              f"({args.akv_backend} attention) for AKV, {args.servers}; thresholds {args.thresholds}, keep "
-             f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}, output cap "
+             f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}"
+             f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
              f"{args.max_output_tokens or 'none'}")
     result: dict[str, Any] = {
         "command": command, "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
