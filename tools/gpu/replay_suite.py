@@ -1,8 +1,8 @@
 """Every serving-replay method side by side in one run: stock SGLang 0.5.16 (the pinned wheel,
 unpatched) replays the text methods (Full, Standard, Text Engineering, trimming) and the patched
 server (``python -m akv.system.launch_server``) replays AKV (drop_message/reposition from
-akv.agent), one server at a time on the same model, over a concurrency sweep that fits a time
-budget. Writes ``replay_suite.json`` (rows, ratios, the exact command and settings),
+akv.agent), one server at a time on the same model (patched first), level by level over a
+concurrency sweep that fits a time budget. Writes ``replay_suite.json`` (rows, ratios, the exact command and settings),
 ``replay_suite.md`` (the table and AKV vs Standard next to the goals) and ``replay_suite.svg``
 under ``--out``; server logs under ``--logs``. Prints a line per step and per run.
 
@@ -87,7 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "more than 12 tool results, so trim and AKV edit")
     p.add_argument("--max-turns", type=int, default=int(env("AKV_REPLAY_MAX_TURNS", "60")) or None,
                    help="cut each trajectory to its first N calls (0: whole)")
-    p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "full,standard,text_engineering,trim"))
+    p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "standard,text_engineering,trim,full"),
+                   help="text methods on stock SGLang, in the order they run (most wanted first: a deadline cuts "
+                        "the last)")
     p.add_argument("--akv-methods", default=env("AKV_REPLAY_AKV_METHODS", "akv_keep12"))
     p.add_argument("--thresholds", default=env("AKV_REPLAY_THRESHOLDS", "96000,48000"),
                    help="Standard and Text Engineering summarization thresholds in tokens")
@@ -272,7 +274,7 @@ class Server:
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
-    """Stock first (the text methods), then patched (AKV)."""
+    """The stock server (text methods) and the patched one (AKV)."""
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}
     flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction,
                                             "--cuda-graph-max-bs", str(max(16, *args.levels))]
@@ -386,7 +388,7 @@ class Suite:
     def replay_phase(self, server: Server, methods: list, phase_end: float) -> None:
         """Every (method, concurrency) of one server, each starting new requests for its share of the
         time left before `phase_end`, less the tail (requests still in flight) seen at its level."""
-        runs = [(m, c) for m in methods for c in self.levels]
+        runs = [(m, c) for c in self.levels for m in methods]  # level by level: a deadline cuts the highest
         settings = replay_args(self.args, server.url)
         for k, (method, level) in enumerate(runs):
             tail = self.tails.get(level, max(self.tails.values(), default=0.0))
@@ -424,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     make_sites(args)
     log(f"model {args.model}, stock site {args.stock_site}, patched site {args.patched_site or 'PYTHONPATH'}", started)
     stock, patched = servers(args)
-    phases = [(stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url))),
-              (patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url)))]
+    # AKV first, Standard first among the text methods: a deadline cuts the last text methods' highest levels
+    phases = [(patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url))),
+              (stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url)))]
     phases = [(server, methods) for server, methods in phases if methods]
     prepared = replay_args(args, stock.url)
     trajectories, filler = serve_replay.with_messages(serve_replay.load_trajectories(prepared), prepared)
