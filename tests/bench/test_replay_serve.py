@@ -174,7 +174,8 @@ def test_priming_sends_each_first_request_before_the_measured_run():
     with loopback.serve(state) as url:
         samples, _ = replay(url, convs, 3, "m", FILLER, timeout_s=30, prime=True)
     firsts = {c.messages[0]["content"]: len(c.requests[0].pieces) for c in convs}
-    assert sorted((b["messages"][0]["content"], len(b["messages"])) for b in state.requests[:3]) == sorted(firsts.items())
+    primed = sorted((b["messages"][0]["content"], len(b["messages"])) for b in state.requests[:3])
+    assert primed == sorted(firsts.items())
     assert len(state.requests) == sum(len(c.requests) for c in convs)
     assert len(samples) == len(state.requests) - 3 and all(s.start_s >= 0 for s in samples)
     assert {(s.conversation, s.turn) for s in samples} == {(c.index, r.turn) for c in convs for r in c.requests[1:]}

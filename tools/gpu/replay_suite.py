@@ -16,14 +16,14 @@ Each setting is a flag with its default from an environment variable (run.sh run
 without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (8 trajectories),
 AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (12), AKV_REPLAY_MAX_TURNS (60; 0 = whole),
 AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPLAY_STOCK_METHODS
-(full,standard,text_engineering,trim), AKV_REPLAY_AKV_METHODS (akv_keep12), AKV_REPLAY_THRESHOLDS
+(standard,trim,text_engineering,full), AKV_REPLAY_AKV_METHODS (akv_keep12), AKV_REPLAY_THRESHOLDS
 (96000,48000: Standard, Text Engineering), AKV_REPLAY_KEEP (12), AKV_REPLAY_TARGET_S (330: the
 suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (420: no run that would
 end later starts), AKV_REPLAY_SERVERS (in-turn | together), AKV_REPLAY_MEM_FRACTION,
 AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (triton) and AKV_REPLAY_AKV_BACKEND (default: the same),
 AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PRIME (1: measure from the second request of each
-conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per socket operation), AKV_REPLAY_OUT
-(default $OUT).
+conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
+socket operation), AKV_REPLAY_OUT (default $OUT).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "more than 12 tool results, so trim and AKV edit")
     p.add_argument("--max-turns", type=int, default=int(env("AKV_REPLAY_MAX_TURNS", "60")) or None,
                    help="cut each trajectory to its first N calls (0: whole)")
-    p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "standard,text_engineering,trim,full"),
+    p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "standard,trim,text_engineering,full"),
                    help="text methods on stock SGLang, in the order they run (most wanted first: a deadline cuts "
                         "the last)")
     p.add_argument("--akv-methods", default=env("AKV_REPLAY_AKV_METHODS", "akv_keep12"))
