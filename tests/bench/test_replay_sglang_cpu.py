@@ -21,7 +21,7 @@ from bench.agent_replay.trajectories import TINY, from_messages, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-from replay_suite import CPU_FLAGS, Server  # noqa: E402
+from replay_suite import CPU_FLAGS, Server, free_port_pair  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STOCK = [FullContext(), Summarize(900, summary_tokens=60, name="standard"),
@@ -33,14 +33,15 @@ PATCHED = [AKV(reference_policy(2, 600), name="akv_keep2"), AKV(reference_policy
 def servers(stock_site: Path, patched_site: Path, tiny_model_dir: Path, tmp_path_factory) -> Iterator[dict[str, str]]:
     logs = tmp_path_factory.mktemp("replay-sglang-cpu")
     cpu_site = str(ROOT / "tests" / "sglang_cpu" / "site")
-    flags = [f for f in CPU_FLAGS] + ["--attention-backend", "triton"]
+    flags = [*CPU_FLAGS, "--attention-backend", "triton"]
     flags[flags.index("--max-total-tokens") + 1] = "65536"  # no eviction on either side
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}
     model = ["--model-path", str(tiny_model_dir)]
+    port = free_port_pair()
     started = [Server("stock", [sys.executable, "-m", "sglang.launch_server", *model, *flags],
-                      {**base, "PYTHONPATH": os.pathsep.join([cpu_site, str(stock_site)])}, 30201, logs / "stock.log"),
+                      {**base, "PYTHONPATH": os.pathsep.join([cpu_site, str(stock_site)])}, port, logs / "stock.log"),
                Server("patched", [sys.executable, "-m", "akv.system.launch_server", *model, *flags],
-                      {**base, "PYTHONPATH": os.pathsep.join([cpu_site, str(patched_site), str(ROOT)])}, 30202,
+                      {**base, "PYTHONPATH": os.pathsep.join([cpu_site, str(patched_site), str(ROOT)])}, port + 1,
                       logs / "patched.log")]
     try:
         for server in started:

@@ -35,6 +35,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -119,7 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=float(env("AKV_REPLAY_TIMEOUT_S", "240")),
                    help="seconds per socket operation of a request")
     p.add_argument("--ready-timeout", type=float, default=float(env("AKV_REPLAY_READY_TIMEOUT_S", "420")))
-    p.add_argument("--port", type=int, default=int(env("AKV_REPLAY_PORT", "30100")))
+    p.add_argument("--port", type=int, default=int(env("AKV_REPLAY_PORT", "0")) or None,
+                   help="stock server's port, patched's the next (default: 30100 on the H200, free ports on CPU)")
     args = p.parse_args(argv)
     if args.dry_run:
         for flag, value in (("concurrency", "1,2"), ("count", 1), ("preset", "tiny"), ("start_turn", 0),
@@ -134,10 +136,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.logs = args.logs or args.out
     args.akv_backend = args.akv_backend or args.backend
     args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.port = args.port or (free_port_pair() if args.dry_run else 30100)
     together = args.servers == "together"
     args.mem_fraction = args.mem_fraction or ("0.42" if together else "0.85")
     args.pool_tokens = args.pool_tokens or (150_000 if together else None)
     return args
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free now (the CPU machine is shared)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports found")
 
 
 def log(message: str, started: float) -> None:
