@@ -5,29 +5,31 @@ akv_keep12, akv_keep12_every_turn: drop_message/reposition from akv.agent, meani
 patched server; each row records whether the server reported AKV usage) replays `--conversations`
 conversations (default: as many as the concurrency level) at each concurrency, every request with
 `max_tokens` = the trajectory's output length and `ignore_eos`; the client appends the
-trajectory's own assistant message, not the server's output. The server's cache is flushed
-(`POST /flush_cache`) before each (method, concurrency) run. Reports output and input throughput
-over the run's wall time, P50/P95 request latency and TTFT; writes JSON (with the exact command)
-and a markdown table next to it (.md). A request the server refuses (e.g. a full-context prompt
-past the window) ends its conversation and counts as `failed`.
+trajectory's own assistant message, not the server's output. Every conversation of every run
+starts with its own tag (a few filler tokens, counted), so no run reads another's KV even where
+`POST /flush_cache` (sent before each run) is refused. Reports output and input throughput over
+the run's wall time, P50/P95 request latency and TTFT, the served cached / re-rotated / skipped
+tokens, and KV pool usage sampled from `GET /metrics` (servers started with `--enable-metrics`);
+writes JSON (with the exact command) and a markdown table next to it (.md) after every run. A
+request the server refuses (e.g. a full-context prompt past the window) ends its conversation and
+counts as `failed`.
 
-Intended H200 run (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-token window).
+Every method on the H200 in one device call, stock SGLang for the text methods and the patched
+server for AKV: `tools/gpu/replay_suite.sh` (it drives this module; `--dry-run` on CPU). By hand
+against one server (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-token window;
 `--start-turn 40 --max-turns 60` puts the default SWE-like set's full-context prompts at 56k-116k
 tokens, where Standard (96k) summarizes and Text Engineering (48k) already has; each (method,
-concurrency) run lasts about `--run-seconds` plus its longest request, so split the sweep over
-calls to stay within a 10-minute command:
+concurrency) run lasts about `--run-seconds` plus its longest request):
 
-    python tools/gpu/make_models.py --tiny /tmp/tiny --qwen3-8b /tmp/qwen3-8b
-    python -c "import json,pathlib; p=pathlib.Path('/tmp/qwen3-8b/config.json'); c=json.loads(p.read_text()); \\
-c['max_position_embeddings']=131072; p.write_text(json.dumps(c))"
     python -m sglang.launch_server --model-path /tmp/qwen3-8b --load-format dummy --attention-backend flashinfer \\
-        --context-length 131072 --mem-fraction-static 0.85 --enable-cache-report --port 30000 &
+        --context-length 131072 --mem-fraction-static 0.85 --enable-cache-report --enable-metrics --port 30000 &
     python bench/serve_replay.py --url http://127.0.0.1:30000 --model-path /tmp/qwen3-8b --preset swe --count 8 \\
         --start-turn 40 --max-turns 60 --run-seconds 90 --methods full,standard,text_engineering,trim \\
         --concurrency 1,4,8,16,32 --label "stock sglang 0.5.16, flashinfer" \\
         --out bench/results/serve_replay_stock_flashinfer.json
 
-(`--attention-backend triton` for the second row.) Dry run on CPU against the loopback stand-in:
+(the model folder: `tools/gpu/make_models.py --qwen3-8b` with `max_position_embeddings` set to
+131072, as replay_suite.py writes it). Dry run on CPU against the loopback stand-in:
 
     python bench/serve_replay.py --loopback --count 1 --max-turns 6 --concurrency 1,2 --out /tmp/replay.json
 """
@@ -35,6 +37,7 @@ c['max_position_embeddings']=131072; p.write_text(json.dumps(c))"
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -50,8 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from akv.agent import ApproximateTokenCounter  # noqa: E402
 from bench.agent_replay import loopback  # noqa: E402
 from bench.agent_replay.chat import Filler, realize  # noqa: E402
-from bench.agent_replay.methods import default_methods  # noqa: E402
-from bench.agent_replay.serve import prepare, replay, sample_dicts, summarize  # noqa: E402
+from bench.agent_replay.methods import Method, default_methods  # noqa: E402
+from bench.agent_replay.pool import PoolMonitor  # noqa: E402
+from bench.agent_replay.serve import Sample, prepare, replay, sample_dicts, summarize  # noqa: E402
 from bench.agent_replay.trajectories import PRESETS, Trajectory, generate, load_jsonl, truncate  # noqa: E402
 
 COLUMNS = (("method", "method"), ("concurrency", "conc."), ("requests", "requests"), ("failed", "failed"),
@@ -70,7 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reasoning-field", action="store_true", help="send reasoning as reasoning_content (templates "
                                                                   "that render it, e.g. Qwen3's)")
     p.add_argument("--trajectories", type=Path, help="JSONL of per-message token counts (default: synthetic)")
-    p.add_argument("--preset", choices=sorted(PRESETS), action="append", help="synthetic presets (default: both)")
+    p.add_argument("--preset", choices=sorted(PRESETS), action="append",
+                   help="synthetic presets (default: swe and browse)")
     p.add_argument("--count", type=int, default=4, help="synthetic trajectories per preset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-turns", type=int, help="cut each trajectory to its first N calls")
@@ -83,6 +88,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per socket operation")
     p.add_argument("--label", default="", help="what the server is (recorded in the results)")
     p.add_argument("--samples", action="store_true", help="also write every request's sample")
+    p.add_argument("--standard-threshold", type=int, default=96_000, help="Standard summarizes past this many tokens")
+    p.add_argument("--text-threshold", type=int, default=48_000, help="Text Engineering summarizes past this many")
+    p.add_argument("--keep", type=int, default=12, help="tool results kept by trim and AKV (rows keep their "
+                                                        "default names)")
+    p.add_argument("--max-output-tokens", type=int, help="cap each request's fixed output length (quick runs)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send SGLang's ignore_eos (servers that "
+                                                                 "refuse it, e.g. akv.system.reference_server)")
+    p.add_argument("--run-tag", default=f"{time.time_ns()}", help="drawn into every conversation's tag (default: "
+                                                                 "the start time), so that no run reuses another's KV")
+    p.add_argument("--prime", action="store_true", help="send each conversation's first request unmeasured and "
+                                                        "start the run once all are back (steady state)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each finished conversation")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if bool(args.url) == args.loopback:
@@ -134,47 +151,81 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    command = "python bench/serve_replay.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    methods = {m.name: m for m in default_methods()}
-    chosen = [s.strip() for s in args.methods.split(",") if s.strip()]
+def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Method, level: int,
+            args: argparse.Namespace, run_tag: str, run_seconds: float | None) -> tuple[dict[str, Any], list[Sample]]:
+    """One (method, concurrency) run on a flushed server: `args.conversations` (default `level`)
+    conversations tagged with `run_tag`, KV pool usage sampled from /metrics while it runs;
+    `total_s` includes the priming requests (`--prime`)."""
+    n = args.conversations or level
+    conversations = [c for k in range(n) for c in prepare(trajectories[k % len(trajectories)], method, [k], filler,
+                                                          args.start_turn, run_tag)]
+    if args.max_output_tokens:
+        conversations = [dataclasses.replace(c, requests=tuple(
+            dataclasses.replace(r, generated=min(r.generated, args.max_output_tokens)) for r in c.requests))
+            for c in conversations]
+    flushed = flush(url)
+    monitor = PoolMonitor(url).start()
+    progress = (lambda line: print(f"    {method.name} c={level}: {line}", flush=True)) if args.verbose else None
+    began = time.monotonic()
+    try:
+        got, wall = replay(url, conversations, level, args.model, filler, args.timeout, run_seconds=run_seconds,
+                           progress=progress, ignore_eos=not args.no_ignore_eos, prime=args.prime)
+    finally:
+        monitor.stop()
+    row = {"method": method.name, "concurrency": level, "conversations": n, "flushed": flushed, "primed": args.prime,
+           "run_seconds": run_seconds, "total_s": time.monotonic() - began, **summarize(got, wall),
+           **(monitor.summary() or {})}
+    return row, got
+
+
+def progress_line(row: dict[str, Any]) -> str:
+    return (f"{row['method']:>22} c={row['concurrency']:<3} {row['requests']:5d} requests ({row['failed']} failed) "
+            f"in {row['wall_s']:8.1f} s: {row['output_tok_per_s'] or 0:9.1f} out tok/s, "
+            f"{row['input_tok_per_s'] or 0:10.1f} in tok/s, P95 {row['latency_p95_s'] or 0:.2f} s")
+
+
+def choose_methods(names: str, args: argparse.Namespace) -> list[Method]:
+    methods = {m.name: m for m in default_methods(args.standard_threshold, args.text_threshold, args.keep)}
+    chosen = [s.strip() for s in names.split(",") if s.strip()]
     unknown = [m for m in chosen if m not in methods]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(methods)}")
+    return [methods[m] for m in chosen]
+
+
+def write_results(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    out.with_suffix(".md").write_text(f"`{result['command']}`\n\n{result['label']}\n\n{markdown(result['rows'])}",
+                                      encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python bench/serve_replay.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    chosen = choose_methods(args.methods, args)
     levels = [int(c) for c in args.concurrency.split(",")]
     trajectories, filler = with_messages(load_trajectories(args), args)
-    print(f"{len(trajectories)} trajectories ready; methods {chosen}; concurrency {levels}", flush=True)
-    rows, samples = [], {}
+    print(f"{len(trajectories)} trajectories ready; methods {[m.name for m in chosen]}; concurrency {levels}",
+          flush=True)
+    result: dict[str, Any] = {"command": command, "label": args.label, "url": "loopback" if args.loopback else args.url,
+                              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run_tag": args.run_tag,
+                              "trajectories": [t.stats() for t in trajectories], "rows": []}
+    samples: dict[str, Any] = {}
     with ExitStack() as stack:
         state = loopback.Loopback() if args.loopback else None
         url = stack.enter_context(loopback.serve(state)) if state is not None else args.url
-        for name in chosen:
+        for method in chosen:
             for level in levels:
-                n = args.conversations or level
-                conversations = [c for k in range(n) for c in
-                                 prepare(trajectories[k % len(trajectories)], methods[name], [k], args.start_turn)]
-                flushed = flush(url)
-                got, wall = replay(url, conversations, level, args.model, filler, args.timeout,
-                                   run_seconds=args.run_seconds)
-                row = {"method": name, "concurrency": level, "conversations": n, "flushed": flushed,
-                       **summarize(got, wall)}
-                rows.append(row)
+                row, got = run_one(url, trajectories, filler, method, level, args,
+                                   f"{args.run_tag}/{method.name}/{level}", args.run_seconds)
+                result["rows"].append(row)
                 if args.samples:
-                    samples[f"{name}@{level}"] = sample_dicts(got)
-                print(f"{name:>18} c={level:<3} {row['requests']:5d} requests ({row['failed']} failed) in "
-                      f"{wall:8.1f} s: {row['output_tok_per_s'] or 0:9.1f} out tok/s, "
-                      f"P95 {row['latency_p95_s'] or 0:.2f} s", flush=True)
-    result = {"command": command, "label": args.label, "url": "loopback" if args.loopback else args.url,
-              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "trajectories": [t.stats() for t in trajectories], "rows": rows}
-    if args.samples:
-        result["samples"] = samples
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    table = markdown(rows)
-    args.out.with_suffix(".md").write_text(f"`{command}`\n\n{args.label}\n\n{table}", encoding="utf-8")
-    print(table)
+                    samples[f"{method.name}@{level}"] = sample_dicts(got)
+                    result["samples"] = samples
+                write_results(args.out, result)
+                print(progress_line(row), flush=True)
+    print(markdown(result["rows"]))
     return 0
 
 

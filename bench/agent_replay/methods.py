@@ -187,9 +187,11 @@ def reference_policy(keep: int = 12, reposition_tokens: int | None = None) -> Po
                                        reposition=TokenReposition(reposition_tokens, counter))
 
 
-def default_methods() -> list[Method]:
-    """Full context, Standard (96k), Text Engineering (48k), trimming (12 results), and AKV keeping
-    12 results with positions compacted past 96k (`akv_keep12`) or at every drop (`akv_keep12_every_turn`)."""
-    return [FullContext(), Summarize(96_000, name="standard"), Summarize(48_000, name="text_engineering"),
-            Trim(12), AKV(reference_policy(12, 96_000), name="akv_keep12"),
-            AKV(reference_policy(12), name="akv_keep12_every_turn")]
+def default_methods(standard: int = 96_000, text_engineering: int = 48_000, keep: int = 12) -> list[Method]:
+    """Full context, Standard (summarize past `standard` tokens), Text Engineering (past
+    `text_engineering`), trimming (`keep` results), and AKV keeping `keep` results with positions
+    compacted past `standard` tokens (`akv_keep12`) or at every drop (`akv_keep12_every_turn`); the
+    names stay those of the default `keep`."""
+    return [FullContext(), Summarize(standard, name="standard"), Summarize(text_engineering, name="text_engineering"),
+            Trim(keep), AKV(reference_policy(keep, standard), name="akv_keep12"),
+            AKV(reference_policy(keep), name="akv_keep12_every_turn")]

@@ -92,11 +92,20 @@ class Simulator:
         self.core = CacheCore(SlotPool(pool_slots))
         self.ids = TokenIds()
 
-    def run(self, request: Request, generation_tokens: int, trajectory: str = "", method: str = "") -> CallRow:
+    def run(self, request: Request, generation_tokens: int, trajectory: str = "", method: str = "",
+            token_ids: np.ndarray | None = None) -> CallRow:
+        """One request. `token_ids`: the prompt's real token ids (the pieces, then the generation
+        prompt) instead of synthetic ones, to account for exactly what a server was sent; generated
+        tokens stay synthetic, so give real ids for every request of a Simulator or for none."""
         pieces = request.pieces
         n = len(pieces)
         reply = self.ids.of(request.reply)
-        token_ids = np.concatenate([self.ids.of(p) for p in pieces] + [reply[:generation_tokens]])
+        n_prompt = sum(p.tokens for p in pieces) + generation_tokens
+        if token_ids is None:
+            token_ids = np.concatenate([self.ids.of(p) for p in pieces] + [reply[:generation_tokens]])
+        elif len(token_ids) != n_prompt:
+            raise ValueError(f"token_ids: {len(token_ids)} ids for a prompt of {n_prompt} tokens")
+        token_ids = np.asarray(token_ids, dtype=np.int64)
         owners = np.repeat(np.arange(n + 1, dtype=np.int64), [p.tokens for p in pieces] + [generation_tokens])
         rules = parse_rules(request.drop_message, request.reposition, n)
         program = compile_program(token_ids, owners, rules, n)

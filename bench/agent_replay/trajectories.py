@@ -172,7 +172,21 @@ BROWSE = TrajectoryStats(
     tools=("search", "get_document"),
 )
 
-PRESETS: dict[str, TrajectoryStats] = {"swe": SWE, "browse": BROWSE}
+# A few hundred tokens in all, for CPU dry runs of the serving replay with a tiny model.
+TINY = TrajectoryStats(
+    turns=(5, 7),
+    tool_result=Range(median=40, sigma=0.4, low=15, high=90),
+    reasoning=Range(median=12, sigma=0.3, low=4, high=30),
+    reply=Range(median=4, sigma=0.3, low=0, high=10),
+    call_arguments=Range(median=40, sigma=0.2, low=30, high=60),
+    batch_sizes=((1, 0.4), (2, 0.6)),
+    system_tokens=30,
+    task_tokens=Range(median=15, sigma=0.2, low=8, high=30),
+    final_reply=Range(median=10, sigma=0.2, low=5, high=20),
+    tools=("search", "read"),
+)
+
+PRESETS: dict[str, TrajectoryStats] = {"swe": SWE, "browse": BROWSE, "tiny": TINY}
 
 
 def generate(stats: TrajectoryStats, seed: int, name: str | None = None, turns: int | None = None) -> Trajectory:

@@ -8,11 +8,14 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from akv.agent import ApproximateTokenCounter, CachePolicy, ResultSelection, TurnReposition
 from bench.agent_replay import loopback
 from bench.agent_replay.chat import Filler, realize
 from bench.agent_replay.methods import AKV, FullContext, Summarize, Trim, reference_policy
-from bench.agent_replay.serve import PLACEHOLDER, percentile, prepare, replay, summarize
+from bench.agent_replay.pool import parse_gauges
+from bench.agent_replay.serve import PLACEHOLDER, TAG_UNITS, percentile, prepare, replay, summarize
 from bench.agent_replay.trajectories import BROWSE, Trajectory, generate
 from bench.serve_replay import main
 
@@ -26,13 +29,14 @@ def _trajectory(seed: int = 1, turns: int = 7) -> Trajectory:
 
 def _run(method, conversations: int = 3, concurrency: int = 2):
     trajectories = [_trajectory(1), _trajectory(2)]
-    convs = [c for k in range(conversations) for c in prepare(trajectories[k % 2], method, [k])]
+    convs = [c for k in range(conversations) for c in prepare(trajectories[k % 2], method, [k], FILLER)]
     state = loopback.Loopback()
     with loopback.serve(state) as url:
         samples, wall = replay(url, convs, concurrency, "m", FILLER, timeout_s=30)
+    system = {c.messages[0]["content"]: c.index for c in convs}
     by_conversation = defaultdict(list)
     for body in state.requests:
-        by_conversation[int(body["messages"][0]["content"].split("]")[0].split()[-1])].append(body)
+        by_conversation[system[body["messages"][0]["content"]]].append(body)
     return convs, samples, wall, by_conversation
 
 
@@ -45,7 +49,7 @@ def test_full_context_requests_arrive_in_order_with_fixed_output_lengths():
         assert [b["max_tokens"] for b in sent] == [conv.trajectory.specs[a].generated for a in conv.trajectory.calls]
         assert all(b["ignore_eos"] is True and "drop_message" not in b for b in sent)
         for b, a in zip(sent, conv.trajectory.calls):
-            assert b["messages"][1:] == [dict(m) for m in conv.messages[1:a]]
+            assert b["messages"] == [dict(m) for m in conv.messages[:a]]
     summary = summarize(samples, wall)
     assert summary["output_tokens"] == sum(b["max_tokens"] for v in bodies.values() for b in v)
     assert summary["requests"] == len(samples) and summary["failed"] == 0
@@ -78,7 +82,7 @@ def test_akv_sends_the_fields_akv_agent_decides():
 
 
 def test_a_failed_request_ends_its_conversation():
-    convs = prepare(_trajectory(1), FullContext(), [0])
+    convs = prepare(_trajectory(1), FullContext(), [0], FILLER)
     calls = []
 
     def send(url, body, timeout):
@@ -118,14 +122,62 @@ def test_cli_sweep_writes_json_and_markdown(tmp_path: Path):
 
 def test_start_turn_skips_earlier_requests_and_keeps_akv_decisions():
     t = _trajectory(1, turns=9)
-    whole = prepare(t, AKV(reference_policy(3)), [0])[0].requests
-    deep = prepare(t, AKV(reference_policy(3)), [0], start_turn=5)[0].requests
+    whole = prepare(t, AKV(reference_policy(3)), [0], FILLER)[0].requests
+    deep = prepare(t, AKV(reference_policy(3)), [0], FILLER, start_turn=5)[0].requests
     assert deep == tuple(r for r in whole if r.turn >= 5) and deep[0].turn == 5
     assert deep[0].drop_message  # the cumulative fields carry the decisions of turns not sent
 
 
 def test_no_request_starts_after_run_seconds():
-    convs = prepare(_trajectory(1), FullContext(), [0, 1])
+    convs = prepare(_trajectory(1), FullContext(), [0, 1], FILLER)
     sent = []
     samples, _ = replay("http://unused", convs, 2, "m", FILLER, send=lambda *a: sent.append(a), run_seconds=0)
     assert samples == [] and sent == []
+
+
+def test_tags_make_every_conversation_of_every_run_distinct_and_are_counted(tiny_counter):
+    filler = Filler.for_tokenizer(tiny_counter.tokenizer)
+    t = generate(BROWSE, 3, "t3", turns=4)
+    t = Trajectory(t.name, t.specs, t.generation_tokens, tuple(realize(t, tiny_counter, filler)))
+    convs = [c for run in ("a", "b") for c in prepare(t, FullContext(), [0, 1, 2], filler, run=run)]
+    assert len({c.messages[0]["content"] for c in convs}) == 6
+    for c in convs:
+        assert c.messages[0]["content"].endswith(t.messages[0]["content"])
+        spans = tiny_counter.layout(list(c.messages)).spans
+        assert [end - start for start, end in spans] == [s.tokens for s in c.trajectory.specs]
+        assert c.trajectory.specs[0].tokens == t.specs[0].tokens + TAG_UNITS
+        assert sum(p.tokens for p in c.requests[0].pieces) == sum(s.tokens for s in c.trajectory.specs[:t.calls[0]])
+
+
+def test_cli_caps_output_lengths_and_sets_thresholds(tmp_path: Path):
+    out = tmp_path / "replay.json"
+    argv = ["--loopback", "--preset", "tiny", "--count", "1", "--concurrency", "1", "--methods", "full,standard,trim",
+            "--standard-threshold", "300", "--keep", "1", "--max-output-tokens", "3", "--samples", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert all(s["completion_tokens"] <= 3 for v in result["samples"].values() for s in v)
+    kinds = {s["kind"] for s in result["samples"]["standard@1"]}
+    assert kinds == {"turn", "summary"}
+
+
+def test_pool_gauges_are_read_from_prometheus_text():
+    text = "\n".join(["# HELP sglang:token_usage The token usage.", "# TYPE sglang:token_usage gauge",
+                      'sglang:token_usage{model_name="default",engine_type="unified"} 0.25',
+                      'sglang:num_used_tokens{model_name="default"} 4096.0', "sglang:max_total_num_tokens 16384",
+                      'sglang:gen_throughput{model_name="default"} 7.5', "sglang:token_usage_other 3"])
+    assert parse_gauges(text) == {"token_usage": 0.25, "used_tokens": 4096.0, "pool_tokens": 16384.0}
+
+
+def test_priming_sends_each_first_request_before_the_measured_run():
+    convs = [c for k in range(3) for c in prepare(_trajectory(k + 1), FullContext(), [k], FILLER)]
+    state = loopback.Loopback()
+    with loopback.serve(state) as url:
+        samples, _ = replay(url, convs, 3, "m", FILLER, timeout_s=30, prime=True)
+    firsts = {c.messages[0]["content"]: len(c.requests[0].pieces) for c in convs}
+    primed = sorted((b["messages"][0]["content"], len(b["messages"])) for b in state.requests[:3])
+    assert primed == sorted(firsts.items())
+    assert len(state.requests) == sum(len(c.requests) for c in convs)
+    assert len(samples) == len(state.requests) - 3 and all(s.start_s >= 0 for s in samples)
+    assert {(s.conversation, s.turn) for s in samples} == {(c.index, r.turn) for c in convs for r in c.requests[1:]}
+    with pytest.raises(ValueError, match="more than the concurrency 2"):
+        replay(url, convs, 2, "m", FILLER, prime=True)

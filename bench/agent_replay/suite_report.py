@@ -1,0 +1,95 @@
+"""The serving-replay suite's report: AKV vs Standard at equal concurrency next to the goals, each
+method at its own best concurrency, the markdown table and an SVG of throughput and P95 latency."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.agent_replay import plots
+
+GOALS = {"output_tok_per_s": 1.5, "latency_p95_s": 2.0}
+"""AKV vs Standard at equal concurrency: output throughput at least 1.5x, P95 latency at least 2x lower."""
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per AKV row: AKV vs Standard at the same concurrency (output and input throughput as AKV/
+    Standard, P50/P95 latency and TTFT as Standard/AKV: above 1 is AKV better), next to the goals."""
+    standard = {r["concurrency"]: r for r in rows if r["method"] == "standard" and r.get("requests")}
+    out = []
+    for row in rows:
+        base = standard.get(row["concurrency"])
+        if not row["method"].startswith("akv") or base is None or not row.get("requests"):
+            continue
+        entry = {"method": row["method"], "concurrency": row["concurrency"]}
+        for key in ("output_tok_per_s", "input_tok_per_s"):
+            entry[key] = row[key] / base[key] if row.get(key) and base.get(key) else None
+        for key in ("latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s"):
+            entry[key] = base[key] / row[key] if row.get(key) and base.get(key) else None
+        entry["meets_output_goal"] = entry["output_tok_per_s"] is not None and \
+            entry["output_tok_per_s"] >= GOALS["output_tok_per_s"]
+        entry["meets_p95_goal"] = entry["latency_p95_s"] is not None and \
+            entry["latency_p95_s"] >= GOALS["latency_p95_s"]
+        out.append(entry)
+    return out
+
+
+def best(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
+    """The method's row with the highest output throughput (its own best concurrency)."""
+    got = [r for r in rows if r["method"] == method and r.get("output_tok_per_s")]
+    return max(got, key=lambda r: r["output_tok_per_s"]) if got else None
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    lines = [f"`{result['command']}`", "", result["label"], "",
+             "| method | server | conc. | requests | failed | summaries | output tok/s | input tok/s | cached | read "
+             "| P50 s | P95 s | TTFT P50 s | TTFT P95 s | KV pool peak | KV tokens peak |",
+             "|" + "---|" * 16]
+
+    def cell(value: Any, digits: int = 2) -> str:
+        return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    for r in rows:
+        lines.append("| " + " | ".join([r["method"], r["server"], str(r["concurrency"]), cell(r.get("requests")),
+                                        cell(r.get("failed")), cell(r.get("summary_requests")),
+                                        cell(r.get("output_tok_per_s"), 1), cell(r.get("input_tok_per_s"), 0),
+                                        cell(r.get("cached_fraction")), cell(r.get("read_fraction")),
+                                        cell(r.get("latency_p50_s")), cell(r.get("latency_p95_s")),
+                                        cell(r.get("ttft_p50_s")), cell(r.get("ttft_p95_s")),
+                                        cell(r.get("kv_token_usage_max")),
+                                        cell(r.get("kv_used_tokens_max"), 0)]) + " |")
+    lines += ["", "AKV vs Standard at equal concurrency (above 1: AKV better; goals: output throughput >= "
+              f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
+              "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
+              "| output goal | P95 goal |", "|" + "---|" * 10]
+    for q in result["ratios"]:
+        lines.append("| " + " | ".join([q["method"], str(q["concurrency"]), *(
+            "-" if q[k] is None else f"{q[k]:.2f}x" for k in ("output_tok_per_s", "input_tok_per_s", "latency_p50_s",
+                                                              "latency_p95_s", "ttft_p50_s", "ttft_p95_s")),
+            "met" if q["meets_output_goal"] else "not met", "met" if q["meets_p95_goal"] else "not met"]) + " |")
+    own = result.get("best")
+    if own:
+        lines += ["", "Each method at its own best concurrency (highest output throughput): " + "; ".join(
+            f"{m} c={r['concurrency']} {r['output_tok_per_s']:.1f} tok/s, P95 {r['latency_p95_s'] or 0:.2f} s"
+            for m, r in own.items() if r)]
+    started = [f"{name} ready in {info['startup_s']:.0f} s" for name, info in result.get("servers", {}).items()
+               if "startup_s" in info]
+    if started:
+        lines += ["", "Servers: " + "; ".join(started) + (f"; suite {result['total_s']:.0f} s in all"
+                                                          if "total_s" in result else "") + "."]
+    if result.get("notes"):
+        lines += ["", *[f"- {n}" for n in result["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def svg(rows: list[dict[str, Any]], levels: list[int]) -> str:
+    """Output throughput and P95 latency per method, by position in the concurrency sweep."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+
+    def series(key: str) -> dict[str, list[float]]:
+        by = {(r["method"], r["concurrency"]): r.get(key) or 0.0 for r in rows}
+        return {m: [by.get((m, c), 0.0) for c in levels] for m in methods}
+
+    label = "concurrency " + ", ".join(str(c) for c in levels) + " (by position)"
+    return plots.line_panels([("output tokens/s", series("output_tok_per_s")),
+                              ("P95 request latency, s", series("latency_p95_s"))], label)

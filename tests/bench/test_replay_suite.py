@@ -1,0 +1,68 @@
+"""The replay suite: AKV vs Standard ratios at equal concurrency against the goals, each method's
+best concurrency and the markdown table (hand-worked rows); its CPU dry run end to end (slow)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.agent_replay import suite_report as report
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+import replay_suite  # noqa: E402
+
+
+def _row(method, concurrency, out, p95, server="stock", **extra):
+    return {"method": method, "server": server, "concurrency": concurrency, "requests": 10, "failed": 0,
+            "output_tok_per_s": out, "input_tok_per_s": out * 100, "latency_p50_s": p95 / 2, "latency_p95_s": p95,
+            "ttft_p50_s": 1.0, "ttft_p95_s": 2.0, **extra}
+
+
+ROWS = [_row("standard", 4, 100.0, 10.0), _row("standard", 16, 200.0, 40.0), _row("trim", 16, 250.0, 30.0),
+        _row("akv_keep12", 4, 160.0, 4.0, "patched"), _row("akv_keep12", 16, 240.0, 32.0, "patched"),
+        _row("akv_keep12", 1, 50.0, 1.0, "patched")]
+
+
+def test_ratios_compare_akv_with_standard_at_equal_concurrency():
+    got = {q["concurrency"]: q for q in report.ratios(ROWS)}
+    assert set(got) == {4, 16}  # no Standard row at concurrency 1
+    assert got[4]["output_tok_per_s"] == 1.6 and got[4]["latency_p95_s"] == 2.5
+    assert got[4]["meets_output_goal"] and got[4]["meets_p95_goal"]
+    assert got[16]["output_tok_per_s"] == 1.2 and got[16]["latency_p95_s"] == 1.25
+    assert not got[16]["meets_output_goal"] and not got[16]["meets_p95_goal"]
+    assert got[16]["input_tok_per_s"] == 1.2 and got[16]["ttft_p95_s"] == 1.0
+
+
+def test_best_concurrency_and_markdown():
+    assert report.best(ROWS, "akv_keep12")["concurrency"] == 16
+    assert report.best(ROWS, "full") is None
+    result = {"command": "python tools/gpu/replay_suite.py", "label": "test", "rows": ROWS,
+              "ratios": report.ratios(ROWS), "best": {m: report.best(ROWS, m) for m in ("standard", "akv_keep12")},
+              "notes": ["patched: akv_keep12 c=32 skipped"]}
+    text = report.markdown(result)
+    assert text.count("| akv_keep12 | patched |") == 3
+    assert "| akv_keep12 | 4 | 1.60x | 1.60x | 2.50x | 2.50x | 1.00x | 1.00x | met | met |" in text
+    assert "akv_keep12 c=16 240.0 tok/s" in text and "- patched: akv_keep12 c=32 skipped" in text
+
+
+@pytest.mark.slow
+def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(tmp_path):
+    """The suite's --dry-run end to end on CPU: both CPU servers start from the pinned wheel, trim
+    runs on stock SGLang (plain requests: no AKV usage), AKV on the patched server (its usage shows
+    the drops), each measured from its second request (primed), and the files are written."""
+    argv = ["--dry-run", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--concurrency", "1",
+            "--stock-methods", "trim", "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
+    assert replay_suite.main(argv) == 0
+    result = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 3 for r in rows.values())
+    assert rows["trim"]["server"] == "stock" and not rows["trim"]["server_reported_akv_usage"]
+    assert rows["akv_keep12"]["server"] == "patched" and rows["akv_keep12"]["drop_skipped_tokens"] > 0
+    assert [q["method"] for q in result["ratios"]] == []  # no Standard row to compare with
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"replay_suite.json", "replay_suite.md",
+                                                               "replay_suite.svg", "server-stock.log",
+                                                               "server-patched.log"}

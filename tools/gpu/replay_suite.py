@@ -1,0 +1,505 @@
+"""Every serving-replay method side by side in one run: stock SGLang 0.5.16 (the pinned wheel,
+unpatched) replays the text methods (Full, Standard, Text Engineering, trimming) and the patched
+server (``python -m akv.system.launch_server``) replays AKV (drop_message/reposition from
+akv.agent), one server at a time on the same model (patched first), level by level over a
+concurrency sweep that fits a time budget. Writes ``replay_suite.json`` (rows, ratios, the exact command and settings),
+``replay_suite.md`` (the table and AKV vs Standard next to the goals) and ``replay_suite.svg``
+under ``--out``; server logs under ``--logs``. Prints a line per step and per run.
+
+On the H200 (``tools/gpu/replay_suite.sh``, through ``tools/gpu/run.sh``): a Qwen3-8B-shaped
+model with dummy weights and ``max_position_embeddings`` 131,072, bf16, CUDA graphs for decode,
+triton attention (``AKV_REPLAY_BACKEND=flashinfer`` for stock, when the patched server takes it).
+``--dry-run``: the same steps on this CPU machine with the tiny random Qwen3, the CPU servers of
+tests/sglang_cpu (stock and patched sites installed from the pinned wheel) and a tiny trajectory set.
+
+Each setting is a flag with its default from an environment variable (run.sh runs the script
+without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (8 trajectories),
+AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (12), AKV_REPLAY_MAX_TURNS (60; 0 = whole),
+AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPLAY_STOCK_METHODS
+(standard,trim,text_engineering,full), AKV_REPLAY_AKV_METHODS (akv_keep12), AKV_REPLAY_THRESHOLDS
+(96000,48000: Standard, Text Engineering), AKV_REPLAY_KEEP (12), AKV_REPLAY_TARGET_S (330: the
+suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (420: no run that would
+end later starts), AKV_REPLAY_SERVERS (in-turn | together), AKV_REPLAY_MEM_FRACTION,
+AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (triton) and AKV_REPLAY_AKV_BACKEND (default: the same),
+AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PRIME (1: measure from the second request of each
+conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
+socket operation), AKV_REPLAY_OUT (default $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+
+from bench import serve_replay  # noqa: E402
+from bench.agent_replay.methods import FullContext  # noqa: E402
+from bench.agent_replay.serve import prepare, replay  # noqa: E402
+from bench.agent_replay.suite_report import GOALS, best, markdown, ratios, svg  # noqa: E402
+
+GPU_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--page-size", "1", "--chunked-prefill-size", "8192",
+             "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch", "--context-length", "131072"]
+CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--page-size", "1", "--disable-cuda-graph", "--sampling-backend",
+             "pytorch", "--max-total-tokens", "16384", "--chunked-prefill-size", "256", "--skip-server-warmup",
+             "--mem-fraction-static", "0.5", "--enable-cache-report"]
+MIN_RUN_S = 3.0
+
+
+def env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, CPU servers, tiny trajectories")
+    p.add_argument("--out", type=Path, default=Path(env("AKV_REPLAY_OUT", env("OUT", "replay-out"))))
+    p.add_argument("--logs", type=Path, default=Path(os.environ["AKV_BENCH_OUT"]) if os.environ.get("AKV_BENCH_OUT")
+                   else None, help="server logs (default: $AKV_BENCH_OUT, else --out)")
+    p.add_argument("--model", type=Path, default=Path(env("AKV_REPLAY_MODEL", "/tmp/akv-model-8b-128k")),
+                   help="model folder, written if absent (Qwen3-8B shape, or the tiny model with --dry-run)")
+    p.add_argument("--stock-site", type=Path, default=Path(env("AKV_REPLAY_STOCK_SITE", "/tmp/site-stock")),
+                   help="stock SGLang site (unpacked from .devkit/site-py312.tar.xz if absent)")
+    p.add_argument("--patched-site", type=Path, default=None,
+                   help="patched SGLang site (default: the current PYTHONPATH; --dry-run builds one)")
+    p.add_argument("--work", type=Path, default=Path(env("AKV_REPLAY_WORK", "/tmp/akv-replay-suite")),
+                   help="--dry-run: where the CPU sites and the tiny model are built (kept between runs)")
+    p.add_argument("--concurrency", default=env("AKV_REPLAY_CONCURRENCY", "1,4,16"))
+    p.add_argument("--count", type=int, default=int(env("AKV_REPLAY_COUNT", "8")),
+                   help="distinct trajectories (conversation k replays trajectory k mod count)")
+    p.add_argument("--preset", default=env("AKV_REPLAY_PRESET", "swe"))
+    p.add_argument("--start-turn", type=int, default=int(env("AKV_REPLAY_START_TURN", "12")),
+                   help="first turn sent (its prompt prefilled cold); from about turn 11 the SWE-like set holds "
+                        "more than 12 tool results, so trim and AKV edit")
+    p.add_argument("--max-turns", type=int, default=int(env("AKV_REPLAY_MAX_TURNS", "60")) or None,
+                   help="cut each trajectory to its first N calls (0: whole)")
+    p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "standard,trim,text_engineering,full"),
+                   help="text methods on stock SGLang, in the order they run (most wanted first: a deadline cuts "
+                        "the last)")
+    p.add_argument("--akv-methods", default=env("AKV_REPLAY_AKV_METHODS", "akv_keep12"))
+    p.add_argument("--thresholds", default=env("AKV_REPLAY_THRESHOLDS", "96000,48000"),
+                   help="Standard and Text Engineering summarization thresholds in tokens")
+    p.add_argument("--keep", type=int, default=int(env("AKV_REPLAY_KEEP", "12")))
+    p.add_argument("--max-output-tokens", type=int, default=int(env("AKV_REPLAY_MAX_OUTPUT", "128")) or None,
+                   help="cap of each request's fixed output length (0: the trajectories' own, ~350 on average)")
+    p.add_argument("--target-s", type=float, default=float(env("AKV_REPLAY_TARGET_S", "330")),
+                   help="wall seconds the suite plans for (server starts included)")
+    p.add_argument("--deadline-s", type=float, default=float(env("AKV_REPLAY_DEADLINE_S", "420")),
+                   help="no run starts after this many seconds")
+    p.add_argument("--backend", default=env("AKV_REPLAY_BACKEND", "triton"), help="attention backend (stock)")
+    p.add_argument("--akv-backend", default=os.environ.get("AKV_REPLAY_AKV_BACKEND"),
+                   help="attention backend of the patched server (default: --backend; it takes triton only so far)")
+    p.add_argument("--servers", choices=("in-turn", "together"), default=env("AKV_REPLAY_SERVERS", "in-turn"),
+                   help="start stock and patched one after the other (whole GPU each) or both at once (saves one "
+                        "startup; each gets --mem-fraction 0.42 and a --pool-tokens cap, as akv_8b_check.py)")
+    p.add_argument("--mem-fraction", default=os.environ.get("AKV_REPLAY_MEM_FRACTION"),
+                   help="--mem-fraction-static of each server (default 0.85 in turn, 0.42 together)")
+    p.add_argument("--pool-tokens", type=int, default=int(env("AKV_REPLAY_POOL_TOKENS", "0")) or None,
+                   help="--max-total-tokens of each server (default: none in turn, 150000 together)")
+    p.add_argument("--prime", type=int, choices=(0, 1), default=int(env("AKV_REPLAY_PRIME", "1")),
+                   help="1: each conversation's cold first request is sent unmeasured and a run starts once all are "
+                        "back (steady state); 0: measure from the cold start")
+    p.add_argument("--prefill-graphs", action="store_true", default=os.environ.get("AKV_REPLAY_PREFILL_GRAPHS") == "1",
+                   help="keep SGLang's prefill CUDA graphs (default off for both servers: the patched server runs "
+                        "context rounds without them, and their capture adds about 30 s to each start)")
+    p.add_argument("--timeout", type=float, default=float(env("AKV_REPLAY_TIMEOUT_S", "240")),
+                   help="seconds per socket operation of a request")
+    p.add_argument("--ready-timeout", type=float, default=float(env("AKV_REPLAY_READY_TIMEOUT_S", "420")))
+    p.add_argument("--port", type=int, default=int(env("AKV_REPLAY_PORT", "0")) or None,
+                   help="stock server's port, patched's the next (default: 30100 on the H200, free ports on CPU)")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        for flag, value in (("concurrency", "1,2"), ("count", 1), ("preset", "tiny"), ("start_turn", 0),
+                            ("thresholds", "450,250"), ("keep", 2), ("max_output_tokens", 4), ("target_s", 240.0),
+                            ("deadline_s", 400.0), ("max_turns", 4)):
+            if getattr(args, flag) == p.get_default(flag):
+                setattr(args, flag, value)
+        if args.model == p.get_default("model"):
+            args.model = args.work / "tiny-qwen3"
+        if args.stock_site == p.get_default("stock_site"):
+            args.stock_site = args.work / "stock-site"
+    args.logs = args.logs or args.out
+    args.akv_backend = args.akv_backend or args.backend
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.port = args.port or (free_port_pair() if args.dry_run else 30100)
+    together = args.servers == "together"
+    args.mem_fraction = args.mem_fraction or ("0.42" if together else "0.85")
+    args.pool_tokens = args.pool_tokens or (150_000 if together else None)
+    return args
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free now (the CPU machine is shared)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports found")
+
+
+def log(message: str, started: float) -> None:
+    """A progress line on stdout, and on the file descriptor AKV_REPLAY_PROGRESS_FD when set (run.sh
+    keeps its own stdout as fd 3 while a benchmark's output goes to a log file)."""
+    line = f"[replay_suite {time.strftime('%H:%M:%S', time.gmtime())} +{time.time() - started:.0f}s] {message}"
+    print(line, flush=True)
+    fd = os.environ.get("AKV_REPLAY_PROGRESS_FD")
+    if fd:
+        try:
+            os.write(int(fd), (line + "\n").encode())
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------- setup ---
+
+
+def make_model(args: argparse.Namespace) -> None:
+    """The served model folder: Qwen3-8B shape with a 131,072-token window (no weights), or the tiny model."""
+    if (args.model / "config.json").exists():
+        return
+    from akv.system.models.tiny import make_tiny_model
+
+    if args.dry_run:
+        make_tiny_model(args.model, seed=3)
+        return
+    from make_models import QWEN3_8B_SHAPE
+
+    make_tiny_model(args.model, arch="qwen3", seed=0, dtype="bfloat16", weights=False,
+                    **{**QWEN3_8B_SHAPE, "max_position_embeddings": 131_072})
+
+
+def pip_target(wheel: Path, target: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--upgrade",
+                    "--target", str(target), str(wheel)], check=True)
+
+
+def make_sites(args: argparse.Namespace) -> None:
+    """The stock site (unpacked from the carried archive on the H200; with --dry-run installed from
+    the pinned wheel) and with --dry-run the patched one, rebuilt when the patch changes."""
+    if not args.dry_run:
+        if not (args.stock_site / "sglang").is_dir():
+            args.stock_site.mkdir(parents=True, exist_ok=True)
+            subprocess.run(f"xz -T0 -dc {shlex.quote(str(ROOT / '.devkit' / 'site-py312.tar.xz'))} | "
+                           f"tar -x -C {shlex.quote(str(args.stock_site))}", shell=True, check=True)
+        return
+    from akv.system import _build
+
+    tag = _build.python_tag()
+    if not (args.stock_site / "sglang").is_dir():
+        pip_target(_build.fetch_stock_wheel(tag, _build.default_cache_dir()), args.stock_site)
+    wheel = _build.build(args.work / "dist", tag).wheel
+    patched = args.patched_site or args.work / "patched-site"
+    stamp = patched / ".akv-wheel-sha256"
+    digest = _build.sha256_file(wheel)
+    if not stamp.exists() or stamp.read_text() != digest:
+        pip_target(wheel, patched)
+        stamp.write_text(digest)
+    args.patched_site = patched
+
+
+@dataclass
+class Server:
+    """One SGLang server process (its own process group) and where it listens."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def command(self) -> str:
+        """The command line as recorded (interpreter as `python`, PYTHONPATH shown)."""
+        return f"PYTHONPATH={self.env.get('PYTHONPATH', '')} " + shlex.join(["python", *self.argv[1:]])
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.argv + ["--host", "127.0.0.1", "--port", str(self.port)], env=self.env,
+                                        stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}; "
+                                   f"log tail: {self.log_path.read_text()[-1500:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} server not ready in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """End the whole process group (launcher, scheduler, detokenizer) and wait until none of it
+        is left, so that the next server finds the GPU memory free."""
+        if self.process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+            if not self._group_alive(15 if sig == signal.SIGTERM else 10):
+                break
+        self._log.close()
+        self.process = None
+
+    def _group_alive(self, seconds: float) -> bool:
+        """Whether a live (not zombie) process of the group is left after waiting up to `seconds`."""
+        deadline = time.time() + seconds
+        while True:
+            alive = False
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == self.process.pid and fields[0] != "Z":
+                    alive = True
+                    break
+            if not alive or time.time() > deadline:
+                return alive
+            time.sleep(0.5)
+
+
+def servers(args: argparse.Namespace) -> list[Server]:
+    """The stock server (text methods) and the patched one (AKV)."""
+    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction,
+                                            "--cuda-graph-max-bs", str(max(16, *args.levels))]
+    if not args.dry_run and not args.prefill_graphs:
+        flags = [*flags, "--cuda-graph-backend-prefill", "disabled"]
+    if args.pool_tokens and not args.dry_run:
+        flags = [*flags, "--max-total-tokens", str(args.pool_tokens)]
+    if args.dry_run and importlib.util.find_spec("prometheus_client") is not None:
+        flags = [*flags, "--enable-metrics"]  # SGLang's /metrics needs it; the H200 image has it
+    cpu_site = [str(ROOT / "tests" / "sglang_cpu" / "site")] if args.dry_run else []
+    # on CPU, modules the machine's environment adds (e.g. prometheus_client); never on the H200,
+    # where PYTHONPATH holds the patched site, whose entry points a stock server must not see
+    extra = [os.environ["PYTHONPATH"]] if args.dry_run and os.environ.get("PYTHONPATH") else []
+    if args.patched_site is not None:
+        patched_path = os.pathsep.join([*cpu_site, str(args.patched_site), str(ROOT), *extra])
+    else:
+        patched_path = os.pathsep.join([*cpu_site, os.environ.get("PYTHONPATH", ""), str(ROOT)])
+    stock_path = os.pathsep.join([*cpu_site, str(args.stock_site), *extra])
+    model = ["--model-path", str(args.model)]
+    return [Server("stock", [sys.executable, "-m", "sglang.launch_server", *model, *flags, "--attention-backend",
+                             args.backend], {**base, "PYTHONPATH": stock_path}, args.port,
+                   args.logs / "server-stock.log"),
+            Server("patched", [sys.executable, "-m", "akv.system.launch_server", *model, *flags, "--attention-backend",
+                               args.akv_backend], {**base, "PYTHONPATH": patched_path}, args.port + 1,
+                   args.logs / "server-patched.log")]
+
+
+# ------------------------------------------------------------------------------ replay ---
+
+
+def replay_args(args: argparse.Namespace, url: str) -> argparse.Namespace:
+    """serve_replay's settings for this suite (its parser, so every default stays serve_replay's)."""
+    standard, text = (int(x) for x in args.thresholds.split(","))
+    argv = ["--url", url, "--model-path", str(args.model), "--preset", args.preset, "--count", str(args.count),
+            "--start-turn", str(args.start_turn), "--standard-threshold", str(standard), "--text-threshold", str(text),
+            "--keep", str(args.keep), "--timeout", str(args.timeout), "--out", str(args.out / "unused.json"), "-v"]
+    if args.max_turns:
+        argv += ["--max-turns", str(args.max_turns)]
+    if args.max_output_tokens:
+        argv += ["--max-output-tokens", str(args.max_output_tokens)]
+    if args.prime:
+        argv += ["--prime"]
+    return serve_replay.parse_args(argv)
+
+
+def warm_up(server: Server, trajectories: list, filler: Any, args: argparse.Namespace, started: float) -> dict:
+    """One unmeasured request (the first trajectory's first replayed turn, its own tag), so that
+    kernel compilation and first-use costs fall outside the runs."""
+    conversation = prepare(trajectories[0], FullContext(), [0], filler, args.start_turn, f"{started}/warm-up")[0]
+    conversation = dataclasses.replace(conversation, requests=tuple(
+        dataclasses.replace(r, generated=min(r.generated, args.max_output_tokens or 16, 16))
+        for r in conversation.requests[:1]))
+    got, wall = replay(server.url, [conversation], 1, "default", filler, args.timeout)
+    return {"seconds": round(wall, 2), "prompt_tokens": got[0].prompt_tokens if got else None,
+            "error": got[0].error if got else "no request"}
+
+
+def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    result["ratios"] = ratios(result["rows"])
+    result["best"] = {m: best(result["rows"], m) for m in dict.fromkeys(r["method"] for r in result["rows"])}
+    (args.out / "replay_suite.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (args.out / "replay_suite.md").write_text(markdown(result), encoding="utf-8")
+    if any(r.get("requests") for r in result["rows"]):
+        (args.out / "replay_suite.svg").write_text(svg(result["rows"], levels), encoding="utf-8")
+
+
+@dataclass
+class Suite:
+    """One suite run: settings, the realized trajectories, the result being written, the clock."""
+
+    args: argparse.Namespace
+    trajectories: list
+    filler: Any
+    levels: list[int]
+    result: dict[str, Any]
+    started: float
+    status: int = 0
+    tails: dict[int, float] = field(default_factory=dict)
+    launched: dict[str, float] = field(default_factory=dict)
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    def note(self, text: str, failed: bool = True) -> None:
+        self.result["notes"].append(text)
+        self.status = self.status or int(failed)
+        log(text, self.started)
+
+    def launch(self, server: Server) -> None:
+        log(f"{server.name}: starting: {server.command}", self.started)
+        self.launched[server.name] = time.time()
+        server.start()
+
+    def ready(self, server: Server) -> bool:
+        """Wait for `server`'s /health and send the warm-up request; False (noted) on failure."""
+        try:
+            server.wait(self.args.ready_timeout)
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            server.stop()
+            self.result["servers"][server.name] = {"command": server.command, "error": str(exc)[-2000:]}
+            self.note(f"{server.name} server did not start: {str(exc)[:300]}")
+            return False
+        startup = time.time() - self.launched[server.name]
+        warmup = warm_up(server, self.trajectories, self.filler, self.args, self.started)
+        self.result["servers"][server.name] = {"command": server.command, "startup_s": round(startup, 1),
+                                               "warmup": warmup}
+        log(f"{server.name}: ready in {startup:.0f} s; warm-up request {warmup}", self.started)
+        return True
+
+    def replay_phase(self, server: Server, methods: list, phase_end: float) -> None:
+        """Every (method, concurrency) of one server, each starting new requests for its share of the
+        time left before `phase_end`, less the tail (requests still in flight) seen at its level."""
+        runs = [(m, c) for c in self.levels for m in methods]  # level by level: a deadline cuts the highest
+        settings = replay_args(self.args, server.url)
+        for k, (method, level) in enumerate(runs):
+            tail = self.tails.get(level, max(self.tails.values(), default=0.0))
+            if self.elapsed() + MIN_RUN_S + tail > self.args.deadline_s:
+                self.note(f"{server.name}: {method.name} c={level} skipped: it would end past the "
+                          f"{self.args.deadline_s:.0f} s deadline")
+                continue
+            run_s = max(MIN_RUN_S, (phase_end - time.time()) / (len(runs) - k) - tail)
+            log(f"{server.name}: {method.name} c={level}: new requests for {run_s:.0f} s", self.started)
+            row, got = serve_replay.run_one(server.url, self.trajectories, self.filler, method, level, settings,
+                                            f"{self.started}/{server.name}/{method.name}/{level}", run_s)
+            self.tails[level] = max(0.0, row["total_s"] - run_s)
+            backend = self.args.akv_backend if server.name == "patched" else self.args.backend
+            row = {"server": server.name, "backend": backend,
+                   "summary_requests": sum(s.kind == "summary" for s in got), **row}
+            self.result["rows"].append(row)
+            log(serve_replay.progress_line(row).strip(), self.started)
+            write(self.args, self.result, self.levels)
+
+    def phase_end(self, runs_now: int, runs_later: int, starts_later: int, startup_s: float) -> float:
+        """When this phase should end: its share (by runs) of the planned time left."""
+        left = self.args.target_s - self.elapsed() - starts_later * (startup_s + 10)
+        return time.time() + max(0.0, left) * runs_now / max(1, runs_now + runs_later)
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the rows
+    args = parse_args(argv)
+    command = "python tools/gpu/replay_suite.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    levels = args.levels
+    log(f"settings {json.dumps(settings)}", started)
+    make_model(args)
+    make_sites(args)
+    log(f"model {args.model}, stock site {args.stock_site}, patched site {args.patched_site or 'PYTHONPATH'}", started)
+    stock, patched = servers(args)
+    # AKV first, Standard first among the text methods: a deadline cuts the last text methods' highest levels
+    phases = [(patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url))),
+              (stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url)))]
+    phases = [(server, methods) for server, methods in phases if methods]
+    prepared = replay_args(args, stock.url)
+    trajectories, filler = serve_replay.with_messages(serve_replay.load_trajectories(prepared), prepared)
+    log(f"{len(trajectories)} trajectories realized; {[(s.name, [m.name for m in ms]) for s, ms in phases]}; "
+        f"concurrency {levels}; servers {args.servers}", started)
+    machine = "CPU dry run, tiny random Qwen3 (FP32)" if args.dry_run else "H200, Qwen3-8B shape, dummy weights, bf16"
+    label = (f"{machine}"
+             f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
+             f"({args.akv_backend} attention) for AKV, {args.servers}; thresholds {args.thresholds}, keep "
+             f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}"
+             f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
+             f"{args.max_output_tokens or 'none'}")
+    result: dict[str, Any] = {
+        "command": command, "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
+        "settings": settings, "label": label, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "goals": GOALS, "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}
+    suite = Suite(args, trajectories, filler, levels, result, started)
+    n_runs = [len(methods) * len(levels) for _, methods in phases]
+    try:
+        if args.servers == "together":
+            for server, _ in phases:
+                suite.launch(server)
+            up = [server for server, _ in phases if suite.ready(server)]
+            end = suite.phase_end(sum(n_runs), 0, 0, 0.0)
+            for p, (server, methods) in enumerate(phases):
+                if server in up:
+                    suite.replay_phase(server, methods, time.time() + (end - time.time()) * n_runs[p] / sum(n_runs[p:]))
+        else:
+            startup_s = 60.0 if args.dry_run else 120.0
+            for p, (server, methods) in enumerate(phases):
+                if suite.elapsed() > args.deadline_s:
+                    suite.note(f"{server.name}: not started, past the {args.deadline_s:.0f} s deadline")
+                    continue
+                suite.launch(server)
+                if not suite.ready(server):
+                    continue
+                startup_s = result["servers"][server.name]["startup_s"]
+                end = suite.phase_end(n_runs[p], sum(n_runs[p + 1:]), len(phases) - p - 1, startup_s)
+                try:
+                    suite.replay_phase(server, methods, end)
+                finally:
+                    server.stop()
+                    log(f"{server.name}: stopped", started)
+    finally:
+        for server, _ in phases:
+            server.stop()
+        result["total_s"] = round(time.time() - started, 1)
+        write(args, result, levels)
+    log("\n" + (args.out / "replay_suite.md").read_text(), started)
+    log(f"done in {result['total_s']:.0f} s; wrote {sorted(p.name for p in args.out.glob('replay_suite.*'))} to "
+        f"{args.out}", started)
+    return suite.status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
