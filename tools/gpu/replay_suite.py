@@ -8,7 +8,8 @@ under ``--out``; server logs under ``--logs``. Prints a line per step and per ru
 
 On the H200 (``tools/gpu/replay_suite.sh``, through ``tools/gpu/run.sh``): a Qwen3-8B-shaped
 model with dummy weights and ``max_position_embeddings`` 131,072, bf16, CUDA graphs for decode,
-triton attention (``AKV_REPLAY_BACKEND=flashinfer`` runs both servers on FlashInfer, which the patched server takes too).
+triton attention (``AKV_REPLAY_BACKEND=flashinfer`` runs both servers on FlashInfer, which the
+patched server takes too).
 ``--dry-run``: the same steps on this CPU machine with the tiny random Qwen3, the CPU servers of
 tests/sglang_cpu (stock and patched sites installed from the pinned wheel) and a tiny trajectory set.
 
