@@ -111,13 +111,14 @@ def merge_drops(drops: Sequence[TokenDrop]) -> tuple[TokenDrop, ...]:
     out = []
     for anchor in sorted(by_anchor):
         group = by_anchor[anchor]
-        ranges = _subtract(_union([r for d in group for r in d.ranges]), hidden)
-        hidden = list(_union(hidden + list(ranges)))
+        ranges = _subtract(merge_spans([r for d in group for r in d.ranges]), hidden)
+        hidden = list(merge_spans(hidden + list(ranges)))
         out.append(TokenDrop(anchor, tuple(sorted({m for d in group for m in d.messages})), ranges))
     return tuple(out)
 
 
-def _union(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+def merge_spans(ranges: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted union of half-open ranges, touching ones merged, empty ones left out."""
     merged: list[list[int]] = []
     for s, e in sorted(ranges):
         if s >= e:
@@ -140,7 +141,7 @@ def _subtract(ranges: tuple[tuple[int, int], ...], hidden: list[tuple[int, int]]
             s = max(s, he)
         if s < e:
             out.append((s, e))
-    return _union(out)
+    return merge_spans(out)
 
 
 def _token_vectors(token_ids: Any, owners: Any, n_messages: int) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+from akv.system.context.compiler import merge_spans
 from akv.system.context.rules import (
     ContextRules,
     DoubleDropError,
@@ -281,19 +282,6 @@ def nth_occurrence(text: str, pattern: str, occurrence: int) -> int:
         if at < 0:
             return -1
     return at
-
-
-def merge_spans(spans: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Sorted union of half-open spans, touching ones merged, empty ones left out."""
-    merged: list[list[int]] = []
-    for s, e in sorted(spans):
-        if s >= e:
-            continue
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return tuple((s, e) for s, e in merged)
 
 
 def _keep_text_drop(drop_rule: Mapping[str, Any]) -> KeepTextDrop:

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from akv.system.context.compiler import TokenDrop
-from akv.system.context.drop_rule import KeepTextDrop, RequestRules, merge_spans
+from akv.system.context.compiler import TokenDrop, merge_spans
+from akv.system.context.drop_rule import KeepTextDrop, RequestRules
 from akv.system.context.provenance import TokenProvenance
 from akv.system.context.rules import RuleError, RuleShapeError, parse_rules
 from akv.system.context.spans import Render, SpanError, check_content, content_starts, message_tokens, tokens_inside

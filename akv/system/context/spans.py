@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from akv.system.context.compiler import TokenDrop
-from akv.system.context.drop_rule import TextDrop, merge_spans
+from akv.system.context.compiler import TokenDrop, merge_spans
+from akv.system.context.drop_rule import TextDrop
 from akv.system.context.provenance import ProvenanceError, TokenProvenance
 
 
