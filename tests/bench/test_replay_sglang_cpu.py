@@ -21,7 +21,8 @@ from bench.agent_replay.trajectories import TINY, from_messages, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-from replay_suite import CPU_FLAGS, Server, free_port_pair  # noqa: E402
+from replay_suite import CPU_FLAGS, free_port_pair  # noqa: E402
+from server_process import Server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STOCK = [FullContext(), Summarize(900, summary_tokens=60, name="standard"),

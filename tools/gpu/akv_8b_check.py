@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import server_process
 from transformers import AutoTokenizer
 
 from akv.agent import CachePolicy, CacheOperationHistory, ResultSelection, TurnReposition, TurnTrigger
@@ -38,40 +38,18 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
                                           "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
                                                          "required": ["id"]}}}]
-COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--host", "127.0.0.1", "--attention-backend", "triton",
+COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
           "--page-size", "1", "--chunked-prefill-size", "8192",
           "--max-total-tokens", "150000", "--mem-fraction-static", "0.42", "--cuda-graph-max-bs", "8",
           "--enable-cache-report", "--sampling-backend", "pytorch", "--context-length", "40960"]
 
 
-class Server:
+class Server(server_process.Server):
+    """A server started at once, with a chat call that records its latency."""
+
     def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
-        self.log = open(log, "w")
-        self.process = subprocess.Popen(argv + ["--port", str(port)], env=env, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}")
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=2)
-                return
-            except OSError:
-                time.sleep(1)
-        raise TimeoutError(f"{self.name} server not ready in {timeout} s")
-
-    def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-                self.process.wait(timeout=30)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-        self.log.close()
+        super().__init__(name, argv, env, port, log)
+        self.start()
 
     def chat(self, body: dict[str, Any], max_tokens: int = 8) -> dict[str, Any]:
         full = {"model": "default", "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,

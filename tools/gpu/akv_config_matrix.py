@@ -40,7 +40,7 @@ CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "flashinfer-graphs-overlap-retract": (["--attention-backend", "flashinfer"], {"SGLANG_TEST_RETRACT": "1"}),
     "triton-graphs-overlap": (["--attention-backend", "triton"], {}),
 }
-COMMON = ["--dtype", "bfloat16", "--host", "127.0.0.1", "--tool-call-parser", "qwen", "--enable-cache-report",
+COMMON = ["--dtype", "bfloat16", "--tool-call-parser", "qwen", "--enable-cache-report",
           "--enable-metrics", "--max-total-tokens", "65536", "--mem-fraction-static", "0.08",
           "--cuda-graph-max-bs", "8", "--sampling-backend", "pytorch"]
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 FLOOR_US_PER_1K = 30.7
 GOAL_RATIO = 1.10
-COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--host", "127.0.0.1", "--attention-backend", "flashinfer",
+COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "flashinfer",
           "--page-size", "1", "--chunked-prefill-size", "16384", "--cuda-graph-max-bs", "16",
           "--disable-prefill-cuda-graph", "--enable-cache-report", "--context-length", "262144",
           "--max-running-requests", "64", "--max-total-tokens", "300000", "--mem-fraction-static", "0.85"]

@@ -1,0 +1,88 @@
+"""An SGLang server as a child process of its own process group, for the GPU scripts and their CPU
+dry runs: started, waited on through ``/health``, stopped with everything it spawned."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    """One SGLang server process (its own process group) and where it listens."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def command(self) -> str:
+        """The command line as recorded (interpreter as `python`, PYTHONPATH shown)."""
+        return f"PYTHONPATH={self.env.get('PYTHONPATH', '')} " + shlex.join(["python", *self.argv[1:]])
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.argv + ["--host", "127.0.0.1", "--port", str(self.port)], env=self.env,
+                                        stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited with {self.process.returncode}; "
+                                   f"log tail: {self.log_path.read_text()[-1500:]}")
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(f"{self.name} server not ready in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """End the whole process group (launcher, scheduler, detokenizer) and wait until none of it
+        is left, so that the next server finds the GPU memory free."""
+        if self.process is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+            if not self._group_alive(15 if sig == signal.SIGTERM else 10):
+                break
+        self._log.close()
+        self.process = None
+
+    def _group_alive(self, seconds: float) -> bool:
+        """Whether a live (not zombie) process of the group is left after waiting up to `seconds`."""
+        deadline = time.time() + seconds
+        while True:
+            alive = False
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == self.process.pid and fields[0] != "Z":
+                    alive = True
+                    break
+            if not alive or time.time() > deadline:
+                return alive
+            time.sleep(0.5)
