@@ -2,10 +2,15 @@
 
 Each node stores, per record of its edge, up to ``width`` versions (slot, position); event records
 and missing KV hold -1. The tree takes one pool reference per version it adopts and gives it back
-on eviction. A version is *live* when the most recent publication through it reads it from its
-path's end (token kept, stored at its final position); other versions (dropped tokens, positions
-superseded by a Repos) are evicted first and leave a hole: the structure stays, so the path still
-matches and a later request recomputes only what it must.
+on eviction.
+
+Eviction is drop-aware. A *path* is a root-to-leaf path whose end a publication recorded (the
+leaf keeps that publication's terminal: the position each token is read at from the end, -1 when
+dropped). Versions of a token every path drops go first (vacuously so when no recorded path passes
+through), then *stale* versions no path reads (positions superseded by a Repos on every path that
+keeps the token), then LRU leaves, then LRU inner versions. Evicting a version leaves a hole: the
+structure stays, so the path still matches and a later request recomputes only what it must. Only
+versions no request references are released.
 """
 
 from __future__ import annotations
@@ -27,16 +32,21 @@ class TreeError(ValueError):
     """Arguments to a tree operation are inconsistent; the message names the field and value."""
 
 
+DROPPED, STALE = 0, 1
+"""Eviction ranks before the LRU leaves: versions of tokens every path drops, versions no path reads."""
+
+
 class TreeNode:
-    """One edge: ``key`` records with ``slots``/``positions``/``live`` arrays of shape (len, width)."""
+    """One edge: ``key`` records with ``slots``/``positions`` arrays of shape (len, width);
+    ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
-    __slots__ = ("key", "slots", "positions", "live", "children", "parent", "last_access", "uid")
+    __slots__ = ("key", "slots", "positions", "terminal", "children", "parent", "last_access", "uid")
 
-    def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, live: np.ndarray, uid: int) -> None:
+    def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int) -> None:
         self.key = key
         self.slots = slots
         self.positions = positions
-        self.live = live
+        self.terminal: np.ndarray | None = None
         self.children: dict[int, TreeNode] = {}
         self.parent: TreeNode | None = None
         self.last_access = 0
@@ -49,9 +59,6 @@ class TreeNode:
     def has_versions(self) -> bool:
         return bool((self.slots >= 0).any())
 
-    def has_stale(self) -> bool:
-        return bool(((self.slots >= 0) & ~self.live).any())
-
 
 class RadixTree:
     """Match, insert (split as needed), drop-aware eviction and flush over one slot pool."""
@@ -63,7 +70,7 @@ class RadixTree:
         self._clock = 0
         self._n_nodes = 0
         self._leaves: list[tuple[int, int, TreeNode]] = []
-        self._stale: list[tuple[int, int, TreeNode]] = []
+        self._ranked: list[list[tuple[TreeNode, np.ndarray]]] | None = None
         self.epoch = 0
 
     @property
@@ -111,7 +118,7 @@ class RadixTree:
 
         Versions the tree lacks are adopted (the tree takes a reference); duplicates of a resident
         (token, position) are left to the caller. ``terminal[t]`` is the position token ``t`` is read
-        at from the end of this path (-1 when dropped); it decides which versions are live.
+        at from the end of this path (-1 when dropped); the path's end keeps it to rank eviction.
         """
         n = key.n_tokens
         for name, arr in (("slots", slots), ("positions", positions)):
@@ -124,13 +131,12 @@ class RadixTree:
         n_rec = key.records.shape[0]
         rec_slots = np.full((n_rec, slots.shape[1]), _EMPTY, dtype=np.int64)
         rec_positions = np.full_like(rec_slots, _EMPTY)
-        rec_terminal = np.full(n_rec, _EMPTY, dtype=np.int64)
         rec_slots[key.token_record] = slots
         rec_positions[key.token_record] = np.where(slots >= 0, positions, _EMPTY)
-        rec_terminal[key.token_record] = terminal
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
+        self._ranked = None
         i = 0
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
@@ -142,33 +148,88 @@ class RadixTree:
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
             lo, hi = i, i + common
-            self._merge(child, rec_slots[lo:hi], rec_positions[lo:hi], rec_terminal[lo:hi])
+            self._merge(child, rec_slots[lo:hi], rec_positions[lo:hi])
             self._touch(child, stamp)
             i = hi
             node = child
+        if n_rec:
+            node.terminal = np.asarray(terminal, dtype=np.int64).copy()
 
     def evict(self, n_slots: int) -> int:
-        """Free at least ``n_slots`` slots if possible: stale versions first, then LRU leaves, then
-        (LRU) versions inside paths that requests pin below them, leaving holes a later request
-        recomputes. Only versions no request references are released. Returns the slots freed."""
+        """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
+        each rank). Returns the slots freed."""
         freed = 0
-        while freed < n_slots and self._stale:
-            node = self._pop_valid(self._stale)
-            if node is not None:
-                freed += self._release(node, ~node.live)
+        if n_slots > 0:
+            ranked = self._ranked = self._rank() if self._ranked is None else self._ranked
+            for entries in ranked:
+                while freed < n_slots and entries:
+                    node, mask = entries.pop(0)
+                    if node.attached:
+                        freed += self._release(node, mask)
         while freed < n_slots and self._leaves:
             node = self._pop_valid(self._leaves)
             if node is not None and not node.children:
-                freed += self._release(node, np.ones_like(node.live))
+                freed += self._release(node, np.ones(node.slots.shape, dtype=bool))
         if freed < n_slots:
             for node in sorted(self._nodes(), key=lambda n: (n.last_access, n.uid)):
                 if freed >= n_slots:
                     break
                 if node.attached:
-                    freed += self._release(node, np.ones_like(node.live))
+                    freed += self._release(node, np.ones(node.slots.shape, dtype=bool))
         if freed:
             self.epoch += 1
         return freed
+
+    def ranks(self) -> dict[int, np.ndarray]:
+        """Resident slots by eviction rank: :data:`DROPPED`, :data:`STALE`, and 2 for the rest."""
+        ranked = self._rank()
+        out = {rank: np.concatenate([node.slots[mask] for node, mask in ranked[rank]] or [np.zeros(0, np.int64)])
+               for rank in (DROPPED, STALE)}
+        out[2] = np.setdiff1d(self.resident_slots(), np.concatenate([out[DROPPED], out[STALE]]))
+        return out
+
+    def _rank(self) -> list[list[tuple[TreeNode, np.ndarray]]]:
+        """Per rank, (node, cell mask) in LRU order: cells of tokens no recorded path keeps, and
+        cells no recorded path reads."""
+        kept: dict[int, np.ndarray] = {}
+        read: dict[int, np.ndarray] = {}
+        for path, terminal in self._paths():
+            offset = 0
+            for node in path:
+                rows = np.flatnonzero(node.key >= 0)
+                tokens = offset + np.arange(rows.size)
+                offset += rows.size
+                if terminal is None or tokens.size == 0 or offset > terminal.size:
+                    continue
+                final = terminal[tokens]
+                k = kept.setdefault(node.uid, np.zeros(node.key.shape[0], dtype=bool))
+                r = read.setdefault(node.uid, np.zeros(node.slots.shape, dtype=bool))
+                k[rows] |= final >= 0
+                r[rows] |= (node.positions[rows] == final[:, None]) & (final[:, None] >= 0)
+        ranked: list[list[tuple[TreeNode, np.ndarray]]] = [[], []]
+        for node in sorted(self._nodes(), key=lambda n: (n.last_access, n.uid)):
+            held = node.slots >= 0
+            k = kept.get(node.uid, np.zeros(node.key.shape[0], dtype=bool))
+            r = read.get(node.uid, np.zeros(node.slots.shape, dtype=bool))
+            dropped = held & ~k[:, None]
+            stale = held & k[:, None] & ~r
+            if dropped.any():
+                ranked[DROPPED].append((node, dropped))
+            if stale.any():
+                ranked[STALE].append((node, stale))
+        return ranked
+
+    def _paths(self) -> list[tuple[list[TreeNode], np.ndarray | None]]:
+        """Every root-to-leaf path with its leaf's recorded terminal."""
+        out: list[tuple[list[TreeNode], np.ndarray | None]] = []
+        stack = [[c] for root in self._roots.values() for c in root.children.values()]
+        while stack:
+            path = stack.pop()
+            node = path[-1]
+            if not node.children:
+                out.append((path, node.terminal))
+            stack.extend(path + [c] for c in node.children.values())
+        return out
 
     def flush(self) -> None:
         """Give back every reference the tree holds and forget all paths."""
@@ -179,7 +240,7 @@ class RadixTree:
             node.parent = None
         self._roots.clear()
         self._leaves.clear()
-        self._stale.clear()
+        self._ranked = None
         self._n_nodes = 0
         self.epoch += 1
 
@@ -187,7 +248,7 @@ class RadixTree:
         root = self._roots.get(namespace)
         if root is None:
             empty = np.zeros((0, 1), dtype=np.int64)
-            root = TreeNode(np.zeros(0, dtype=np.int64), empty, empty.copy(), np.zeros((0, 1), bool), next(self._uids))
+            root = TreeNode(np.zeros(0, dtype=np.int64), empty, empty.copy(), next(self._uids))
             self._roots[namespace] = root
         return root
 
@@ -208,8 +269,6 @@ class RadixTree:
         node.last_access = stamp
         if not node.children:
             self._push(self._leaves, node)
-        if node.has_stale():
-            self._push(self._stale, node)
 
     def _push(self, heap: list[tuple[int, int, TreeNode]], node: TreeNode) -> None:
         heapq.heappush(heap, (node.last_access, node.uid, node))
@@ -225,8 +284,9 @@ class RadixTree:
     def _new_node(self, key: np.ndarray, parent: TreeNode) -> TreeNode:
         width = 1
         empty = np.full((key.shape[0], width), _EMPTY, dtype=np.int64)
-        node = TreeNode(key, empty, empty.copy(), np.zeros_like(empty, dtype=bool), next(self._uids))
+        node = TreeNode(key, empty, empty.copy(), next(self._uids))
         node.parent = parent
+        parent.terminal = None  # no longer a path end: the terminal of a leaf is all that is kept
         parent.children[int(key[0])] = node
         self._n_nodes += 1
         return node
@@ -235,17 +295,17 @@ class RadixTree:
         """Cut ``node`` after ``at`` records; the new upper node is returned, ``node`` keeps the rest."""
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(node.key[:at], node.slots[:at], node.positions[:at], node.live[:at], next(self._uids))
+        upper = TreeNode(node.key[:at], node.slots[:at], node.positions[:at], next(self._uids))
         upper.parent = parent
         upper.last_access = node.last_access
         parent.children[int(upper.key[0])] = upper
-        node.key, node.slots, node.positions, node.live = node.key[at:], node.slots[at:], node.positions[at:], node.live[at:]
+        node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self._n_nodes += 1
         return upper
 
-    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> None:
+    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> None:
         for j in range(slots.shape[1]):
             add = slots[:, j] >= 0
             add &= ~((node.positions == positions[:, j, None]) & (node.slots >= 0)).any(axis=1)
@@ -261,7 +321,6 @@ class RadixTree:
             node.slots[rows, cols] = slots[rows, j]
             node.positions[rows, cols] = positions[rows, j]
             self.pool.tree_incref(slots[rows, j])
-        node.live = (node.slots >= 0) & (node.positions == terminal[:, None])
 
     def _release(self, node: TreeNode, which: np.ndarray) -> int:
         held = (node.slots >= 0) & which
@@ -272,7 +331,6 @@ class RadixTree:
             count = self.pool.tree_decref(node.slots[held])
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
-            node.live = node.live & ~held
         self._prune(node)
         return count
 
@@ -284,6 +342,7 @@ class RadixTree:
             del parent.children[int(node.key[0])]
             node.parent = None
             self._n_nodes -= 1
+            self._ranked = None
             if parent.attached and not parent.children:
                 self._push(self._leaves, parent)
             node = parent
