@@ -62,8 +62,17 @@ def must_wait(req: Any, has_chunked_req: bool, new_chunked_req: Any) -> bool:
 
 
 def extra_budget(req: Any) -> int:
+    """Slots a context request needs beyond SGLang's own count (its copy slots; 0 for plain)."""
     state: AkvRequest | None = req.akv
     return 0 if state is None else state.extra_budget()
+
+
+def charge_copies(adder: Any, req: Any) -> None:
+    """Once ``req`` is admitted into the batch, take its copy slots from the adder's remaining
+    budgets (total and this batch's), so the next request's check sees them as used."""
+    extra = extra_budget(req)
+    adder.rem_total_token_offset += extra
+    adder.cur_rem_token_offset += extra
 
 
 def in_batch(batch: Any) -> bool:
