@@ -1,8 +1,11 @@
 """Hooks for the patched ``serving_chat.py``: admit or refuse a context request, then compile its
-program from the very prompt SGLang rendered."""
+program from the very prompt SGLang rendered; for ``serving_base.py``: convert a context request
+(render, provenance, compile) in a worker thread, off the HTTP event loop."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from akv.system.adapter.protocol import request_rules
@@ -15,6 +18,10 @@ from akv.system.context.wire import encode_program
 REQUIRED_PAGE_SIZE = 1
 REQUIRED_ATTENTION_BACKEND = "triton"
 REQUIRED_RADIX_CACHE_BACKEND = "akv"
+
+_CONVERTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="akv-convert")
+"""One worker: conversions of context requests run one at a time, the tokenizer is never shared
+between two of them, and the event loop keeps serving while one runs."""
 
 _RENDER_ARGUMENTS = frozenset({"tokenizer", "messages", "drop_message", "reposition", "tools", "add_generation_prompt"})
 
@@ -46,6 +53,16 @@ def error_param(error: ValueError) -> str | None:
     if isinstance(error, ProvenanceError):
         return "messages"
     return None
+
+
+async def convert_request(serving: Any, request: Any, raw_request: Any) -> Any:
+    """``serving._convert_to_internal_request(request, raw_request)``: inline for a plain request
+    (stock behaviour), in the worker thread for a context request, whose template render,
+    provenance and compile can take seconds for a long conversation."""
+    if is_plain_request(getattr(request, "drop_message", None), getattr(request, "reposition", None)):
+        return serving._convert_to_internal_request(request, raw_request)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_CONVERTER, serving._convert_to_internal_request, request, raw_request)
 
 
 def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> ContextRules | None:
