@@ -18,13 +18,10 @@ from .conversations import Conversation, conversations
 Published = tuple[tuple[int, ...], np.ndarray]
 
 
-def brute_ranks(published: list[Published], cells: dict[tuple[tuple[int, ...], int], int]) -> dict[int, int]:
-    """Rank of each cell's slot: 0 when every maximal published history through the token drops it,
-    1 when none reads this version's position, else 2. A maximal history is a published record
-    sequence that is no strict prefix of another."""
-    histories = {records: terminal for records, terminal in published}
-    maximal = [(r, t) for r, t in histories.items()
-               if not any(len(o) > len(r) and o[: len(r)] == r for o in histories)]
+def brute_ranks(paths: list[Published], cells: dict[tuple[tuple[int, ...], int], int]) -> dict[int, int]:
+    """Rank of each cell's slot: 0 when every path (a recorded history, :func:`recorded`) through the
+    token drops it, 1 when none reads this version's position, else 2."""
+    maximal = paths
     ranks: dict[int, int] = {}
     for (prefix, position), slot in cells.items():
         token = sum(1 for record in prefix if record >= 0) - 1
@@ -46,6 +43,48 @@ def resident_cells(tree: RadixTree, published: list[Published]) -> dict[tuple[tu
                 if slot >= 0:
                     cells[(records[: token_record[t] + 1], position)] = slot
     return cells
+
+
+def recounted_ranks(tree: RadixTree) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each node's (dropped, stale) cell masks recomputed from scratch: every leaf's recorded terminal
+    walked over its whole path (what the tree's incremental read counts must agree with)."""
+    kept: dict[int, np.ndarray] = {}
+    read: dict[int, np.ndarray] = {}
+    nodes = []
+    stack = [[c] for root in tree._roots.values() for c in root.children.values()]
+    while stack:
+        path = stack.pop()
+        nodes.append(path[-1])
+        stack.extend(path + [c] for c in path[-1].children.values())
+        if path[-1].children or path[-1].terminal is None:
+            continue
+        offset = 0
+        for node in path:
+            rows = np.flatnonzero(node.key >= 0)
+            final = path[-1].terminal[offset : offset + rows.size]
+            offset += rows.size
+            k = kept.setdefault(node.uid, np.zeros(node.key.shape[0], dtype=bool))
+            r = read.setdefault(node.uid, np.zeros(node.slots.shape, dtype=bool))
+            k[rows] |= final >= 0
+            r[rows] |= (node.positions[rows] == final[:, None]) & (final[:, None] >= 0)
+    out = {}
+    for node in nodes:
+        held = node.slots >= 0
+        k = kept.get(node.uid, np.zeros(node.key.shape[0], dtype=bool))
+        r = read.get(node.uid, np.zeros(node.slots.shape, dtype=bool))
+        out[node.uid] = (held & ~k[:, None], held & k[:, None] & ~r)
+    return out
+
+
+def assert_counts_agree(tree: RadixTree) -> None:
+    recounted = recounted_ranks(tree)
+    for node in [c for root in tree._roots.values() for c in root.children.values()]:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            for got, want in zip(n.ranked(), recounted[n.uid]):
+                assert (got == want).all(), f"node {n.uid}: incremental ranks differ from a full recount"
 
 
 @st.composite
@@ -73,7 +112,7 @@ def test_eviction_order_matches_brute_force(scenario: tuple[list[Conversation], 
         key = program_key(program).with_tokens(reply)
         terminal = np.concatenate([program.final_position, program.next_position + np.arange(reply.size)])
         published.append((tuple(key.records.tolist()), terminal))
-    ranks = brute_ranks(published, resident_cells(core.tree, published))
+    ranks = brute_ranks(recorded(core.tree, published), resident_cells(core.tree, published))
     got = core.tree.ranks()
     for rank in (DROPPED, STALE, 2):
         assert sorted(got[rank].tolist()) == sorted(s for s, r in ranks.items() if r == rank), f"rank {rank}"
@@ -81,15 +120,52 @@ def test_eviction_order_matches_brute_force(scenario: tuple[list[Conversation], 
     resident = sorted(ranks)
     held = set(data.draw(st.lists(st.sampled_from(resident), unique=True, max_size=5)) if resident else [])
     pool.incref(np.array(sorted(held), dtype=np.int64))
+    for _ in range(data.draw(st.integers(1, 12))):
+        ranks = brute_ranks(recorded(core.tree, published), resident_cells(core.tree, published))
+        free_ranks = [r for s, r in ranks.items() if s not in held]
+        if not free_ranks:
+            break
+        freed.clear()
+        assert core.tree.evict(1) >= 1
+        assert freed and not held & set(freed), "evicted a version a request references"
+        lowest = min(free_ranks)
+        if lowest < 2:
+            assert {ranks[s] for s in freed} <= set(range(lowest + 1)), f"evicted {freed} before rank {lowest}"
+        assert_counts_agree(core.tree)
+    # one larger eviction: releases prune path ends and so may lower ranks on the way (never raise them)
+    cells = resident_cells(core.tree, published)
+    before = brute_ranks(recorded(core.tree, published), cells)
     freed.clear()
-    n = data.draw(st.integers(1, max(1, len(resident))))
-    core.tree.evict(n)
+    core.tree.evict(data.draw(st.integers(1, max(1, len(before)))))
     assert not held & set(freed), "evicted a version a request references"
-    if freed:
-        worst = max(ranks[s] for s in freed)
-        skipped = [s for s in resident if ranks[s] < worst and s not in held and s not in freed]
-        assert not skipped, f"evicted rank {worst} before lower-ranked slots {skipped}"
+    assert_single_eviction_order(before, brute_ranks(recorded(core.tree, published), cells), set(freed), held)
+    assert_counts_agree(core.tree)
     pool.decref(np.array(sorted(held), dtype=np.int64))
+
+
+def assert_single_eviction_order(before: dict[int, int], after: dict[int, int], freed: set[int],
+                                 held: set[int]) -> None:
+    """One ``evict`` call: every version of a token no path kept goes before anything else, and a
+    version still read at the end (so an LRU eviction) goes only after every unread one."""
+    left = {s for s in before if s not in freed and s not in held}
+    if any(before[s] > DROPPED for s in freed):
+        assert not [s for s in left if before[s] == DROPPED], "a DROPPED version outlived a later rank"
+    if any(before[s] == 2 and after[s] == 2 for s in freed):
+        assert not [s for s in left if before[s] < 2], "an unread version outlived an LRU eviction"
+
+
+def recorded(tree: RadixTree, published: list[Published]) -> list[Published]:
+    """The published histories whose path the tree still has whole (those whose end eviction pruned
+    stop being paths; the maximal ones among all published are the paths)."""
+    histories = {records: terminal for records, terminal in published}
+    maximal = [(r, t) for r, t in histories.items()
+               if not any(len(o) > len(r) and o[: len(r)] == r for o in histories)]
+    out = []
+    for records, terminal in maximal:
+        key = np.array(records, dtype=np.int64)
+        if tree.match(RecordKey(key, np.flatnonzero(key >= 0))).n_records == key.size:
+            out.append((records, terminal))
+    return out
 
 
 def _publish(tree: RadixTree, key: RecordKey, terminal: list[int]) -> np.ndarray:
@@ -112,3 +188,26 @@ def test_a_token_one_branch_still_reads_is_not_evicted_first() -> None:
     assert tree.evict(1) == 1
     resident = set(tree.resident_slots().tolist())
     assert int(b[1]) in resident and int(b[3]) not in resident, "B's own leaf went, its token 1 stayed"
+
+
+def test_versions_a_pruned_path_end_leaves_unkept_go_before_lru_leaves() -> None:
+    """A 7-turn branch that drops and repositions, and a 2-turn one beside it. Evicting 6 slots takes
+    the 5 versions no path keeps, pruning the long branch's end on the way; the next node in LRU order
+    (ties: creation order) then holds versions no remaining path keeps, and those go, not the
+    remaining leaves (hand-derived from the brute-force ranks; found by hypothesis)."""
+    convs = [Conversation(messages=((0,),) * 7, drops={4: (0, 1), 6: (2, 6)}, repositions=tuple(range(7))),
+             Conversation(messages=((0,), (0,)), drops={}, repositions=(0, 1))]
+    freed: list[int] = []
+    pool = SlotPool(64, on_free=lambda slots: freed.extend(slots.tolist()))
+    core = CacheCore(pool)
+    published: list[Published] = []
+    for conv, turn in [(convs[0], t) for t in range(7)] + [(convs[1], 0), (convs[1], 1)]:
+        program = conv.program(turn)
+        core.finish(core.admit(program))
+        published.append((tuple(program_key(program).records.tolist()), np.asarray(program.final_position)))
+    ranks = brute_ranks(recorded(core.tree, published), resident_cells(core.tree, published))
+    assert sorted(s for s, r in ranks.items() if r == DROPPED) == [1, 2, 3, 5, 13]
+    assert sorted(s for s, r in ranks.items() if r == STALE) == [4, 6, 7, 8, 9]
+    freed.clear()
+    core.tree.evict(6)
+    assert sorted(freed) == [1, 2, 3, 4, 5, 6, 10, 13]

@@ -11,6 +11,11 @@ through), then *stale* versions no path reads (positions superseded by a Repos o
 keeps the token), then LRU leaves, then LRU inner versions. Evicting a version leaves a hole: the
 structure stays, so the path still matches and a later request recomputes only what it must. Only
 versions no request references are released.
+
+Each node counts, per token record, the recorded paths below it that read the token and at which
+positions (``read_pos``/``read_cnt``); a path end adds itself along its path when it is recorded
+and takes itself back when it stops being a leaf or is pruned, so ranking costs O(path) per
+publication and O(nodes touched since) per eviction, never a walk of every path.
 """
 
 from __future__ import annotations
@@ -40,12 +45,16 @@ class TreeNode:
     """One edge: ``key`` records with ``slots``/``positions`` arrays of shape (len, width);
     ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
-    __slots__ = ("key", "slots", "positions", "terminal", "children", "parent", "last_access", "uid")
+    __slots__ = ("key", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
+                 "last_access", "uid")
 
-    def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int) -> None:
+    def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
+                 read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
         self.key = key
         self.slots = slots
         self.positions = positions
+        self.read_pos = np.full((key.shape[0], 1), _EMPTY, dtype=np.int64) if read_pos is None else read_pos
+        self.read_cnt = np.zeros((key.shape[0], 1), dtype=np.int64) if read_cnt is None else read_cnt
         self.terminal: np.ndarray | None = None
         self.children: dict[int, TreeNode] = {}
         self.parent: TreeNode | None = None
@@ -59,6 +68,14 @@ class TreeNode:
     def has_versions(self) -> bool:
         return bool((self.slots >= 0).any())
 
+    def ranked(self) -> tuple[np.ndarray, np.ndarray]:
+        """Cell masks: versions of tokens no recorded path keeps, and versions no recorded path reads."""
+        held = self.slots >= 0
+        counted = self.read_cnt > 0
+        kept = counted.any(axis=1)
+        read = ((self.positions[:, :, None] == self.read_pos[:, None, :]) & counted[:, None, :]).any(axis=2)
+        return held & ~kept[:, None], held & kept[:, None] & ~read
+
 
 class RadixTree:
     """Match, insert (split as needed), drop-aware eviction and flush over one slot pool."""
@@ -70,7 +87,8 @@ class RadixTree:
         self._clock = 0
         self._n_nodes = 0
         self._leaves: list[tuple[int, int, TreeNode]] = []
-        self._ranked: list[list[tuple[TreeNode, np.ndarray]]] | None = None
+        self._dirty: set[TreeNode] = set()
+        self._ranked: tuple[set[TreeNode], set[TreeNode]] = (set(), set())
         self.epoch = 0
 
     @property
@@ -136,7 +154,6 @@ class RadixTree:
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
-        self._ranked = None
         i = 0
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
@@ -152,20 +169,27 @@ class RadixTree:
             self._touch(child, stamp)
             i = hi
             node = child
-        if n_rec:
-            node.terminal = np.asarray(terminal, dtype=np.int64).copy()
+        if n_rec and not node.children:
+            self._record_end(node, np.asarray(terminal, dtype=np.int64))
 
     def evict(self, n_slots: int) -> int:
         """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
         each rank). Returns the slots freed."""
         freed = 0
         if n_slots > 0:
-            ranked = self._ranked = self._rank() if self._ranked is None else self._ranked
-            for entries in ranked:
-                while freed < n_slots and entries:
-                    node, mask = entries.pop(0)
-                    if node.attached:
-                        freed += self._release(node, mask)
+            self._refresh()
+            for rank in (DROPPED, STALE):
+                # a release can prune a path end and so turn versions of the other nodes DROPPED: the
+                # second pass takes both ranks
+                nodes = self._ranked[DROPPED] | (self._ranked[STALE] if rank == STALE else set())
+                for node in sorted(nodes, key=lambda n: (n.last_access, n.uid)):
+                    if freed >= n_slots:
+                        break
+                    masks = node.ranked() if node.attached else None
+                    if masks is not None:
+                        freed += self._release(node, masks[DROPPED] | masks[rank])
+                    self._dirty.add(node)
+                self._refresh()
         while freed < n_slots and self._leaves:
             node = self._pop_valid(self._leaves)
             if node is not None and not node.children:
@@ -182,54 +206,53 @@ class RadixTree:
 
     def ranks(self) -> dict[int, np.ndarray]:
         """Resident slots by eviction rank: :data:`DROPPED`, :data:`STALE`, and 2 for the rest."""
-        ranked = self._rank()
-        out = {rank: np.concatenate([node.slots[mask] for node, mask in ranked[rank]] or [np.zeros(0, np.int64)])
+        masks = [(node, *node.ranked()) for node in self._nodes()]
+        out = {rank: np.concatenate([m[0].slots[m[1 + rank]] for m in masks] or [np.zeros(0, np.int64)])
                for rank in (DROPPED, STALE)}
         out[2] = np.setdiff1d(self.resident_slots(), np.concatenate([out[DROPPED], out[STALE]]))
         return out
 
-    def _rank(self) -> list[list[tuple[TreeNode, np.ndarray]]]:
-        """Per rank, (node, cell mask) in LRU order: cells of tokens no recorded path keeps, and
-        cells no recorded path reads."""
-        kept: dict[int, np.ndarray] = {}
-        read: dict[int, np.ndarray] = {}
-        for path, terminal in self._paths():
-            offset = 0
-            for node in path:
-                rows = np.flatnonzero(node.key >= 0)
-                tokens = offset + np.arange(rows.size)
-                offset += rows.size
-                if terminal is None or tokens.size == 0 or offset > terminal.size:
-                    continue
-                final = terminal[tokens]
-                k = kept.setdefault(node.uid, np.zeros(node.key.shape[0], dtype=bool))
-                r = read.setdefault(node.uid, np.zeros(node.slots.shape, dtype=bool))
-                k[rows] |= final >= 0
-                r[rows] |= (node.positions[rows] == final[:, None]) & (final[:, None] >= 0)
-        ranked: list[list[tuple[TreeNode, np.ndarray]]] = [[], []]
-        for node in sorted(self._nodes(), key=lambda n: (n.last_access, n.uid)):
-            held = node.slots >= 0
-            k = kept.get(node.uid, np.zeros(node.key.shape[0], dtype=bool))
-            r = read.get(node.uid, np.zeros(node.slots.shape, dtype=bool))
-            dropped = held & ~k[:, None]
-            stale = held & k[:, None] & ~r
-            if dropped.any():
-                ranked[DROPPED].append((node, dropped))
-            if stale.any():
-                ranked[STALE].append((node, stale))
-        return ranked
+    def _refresh(self) -> None:
+        """Re-rank the nodes whose versions or read counts changed since the last eviction."""
+        for node in self._dirty:
+            masks = node.ranked() if node.attached else None
+            for rank in (DROPPED, STALE):
+                if masks is not None and masks[rank].any():
+                    self._ranked[rank].add(node)
+                else:
+                    self._ranked[rank].discard(node)
+        self._dirty.clear()
 
-    def _paths(self) -> list[tuple[list[TreeNode], np.ndarray | None]]:
-        """Every root-to-leaf path with its leaf's recorded terminal."""
-        out: list[tuple[list[TreeNode], np.ndarray | None]] = []
-        stack = [[c] for root in self._roots.values() for c in root.children.values()]
-        while stack:
-            path = stack.pop()
-            node = path[-1]
-            if not node.children:
-                out.append((path, node.terminal))
-            stack.extend(path + [c] for c in node.children.values())
-        return out
+    def _record_end(self, node: TreeNode, terminal: np.ndarray) -> None:
+        """Make leaf ``node`` the end of a recorded path with ``terminal`` (replacing its own)."""
+        if node.terminal is not None:
+            if np.array_equal(node.terminal, terminal):
+                return
+            self._count_end(node, -1)
+        node.terminal = terminal.copy()
+        self._count_end(node, 1)
+
+    def _forget_end(self, node: TreeNode) -> None:
+        if node.terminal is not None:
+            self._count_end(node, -1)
+            node.terminal = None
+
+    def _count_end(self, end: TreeNode, delta: int) -> None:
+        """Add (+1) or take back (-1) the reads of the path ending at ``end`` in every node on it."""
+        terminal = end.terminal
+        assert terminal is not None
+        stop = terminal.size
+        node: TreeNode | None = end
+        while node is not None and node.attached:
+            rows = np.flatnonzero(node.key >= 0)
+            start = stop - rows.size
+            final = terminal[start:stop]
+            stop = start
+            kept = final >= 0
+            if kept.any():
+                _count_reads(node, rows[kept], final[kept], delta)
+                self._dirty.add(node)
+            node = node.parent
 
     def flush(self) -> None:
         """Give back every reference the tree holds and forget all paths."""
@@ -240,7 +263,9 @@ class RadixTree:
             node.parent = None
         self._roots.clear()
         self._leaves.clear()
-        self._ranked = None
+        self._dirty.clear()
+        for ranked in self._ranked:
+            ranked.clear()
         self._n_nodes = 0
         self.epoch += 1
 
@@ -286,7 +311,7 @@ class RadixTree:
         empty = np.full((key.shape[0], width), _EMPTY, dtype=np.int64)
         node = TreeNode(key, empty, empty.copy(), next(self._uids))
         node.parent = parent
-        parent.terminal = None  # no longer a path end: the terminal of a leaf is all that is kept
+        self._forget_end(parent)  # no longer a leaf: the path ends below it now
         parent.children[int(key[0])] = node
         self._n_nodes += 1
         return node
@@ -295,11 +320,14 @@ class RadixTree:
         """Cut ``node`` after ``at`` records; the new upper node is returned, ``node`` keeps the rest."""
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(node.key[:at], node.slots[:at], node.positions[:at], next(self._uids))
+        upper = TreeNode(node.key[:at], node.slots[:at], node.positions[:at], next(self._uids),
+                         node.read_pos[:at], node.read_cnt[:at])
         upper.parent = parent
         upper.last_access = node.last_access
         parent.children[int(upper.key[0])] = upper
         node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
+        node.read_pos, node.read_cnt = node.read_pos[at:], node.read_cnt[at:]
+        self._dirty.update((node, upper))
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self._n_nodes += 1
@@ -321,6 +349,7 @@ class RadixTree:
             node.slots[rows, cols] = slots[rows, j]
             node.positions[rows, cols] = positions[rows, j]
             self.pool.tree_incref(slots[rows, j])
+            self._dirty.add(node)
 
     def _release(self, node: TreeNode, which: np.ndarray) -> int:
         held = (node.slots >= 0) & which
@@ -339,13 +368,36 @@ class RadixTree:
         while node.attached and not node.children and not node.has_versions():
             parent = node.parent
             assert parent is not None
+            self._forget_end(node)
             del parent.children[int(node.key[0])]
             node.parent = None
             self._n_nodes -= 1
-            self._ranked = None
+            self._dirty.add(node)
             if parent.attached and not parent.children:
                 self._push(self._leaves, parent)
             node = parent
+
+
+def _count_reads(node: TreeNode, rows: np.ndarray, positions: np.ndarray, delta: int) -> None:
+    """Add ``delta`` to the count of paths reading row ``rows[i]`` at ``positions[i]``."""
+    match = (node.read_pos[rows] == positions[:, None]) & (node.read_cnt[rows] > 0)
+    found = match.any(axis=1)
+    if delta < 0 and not found.all():
+        raise TreeError(f"read_cnt: row {int(rows[~found][0])} of a recorded path was never counted")
+    if not found.all():
+        free = node.read_cnt[rows[~found]] == 0
+        if not free.any(axis=1).all():
+            node.read_pos = _widen(node.read_pos)
+            node.read_cnt = np.concatenate([node.read_cnt, np.zeros((node.read_cnt.shape[0], 1), np.int64)], axis=1)
+            free = node.read_cnt[rows[~found]] == 0
+        new_rows = rows[~found]
+        cols = free.argmax(axis=1)
+        node.read_pos[new_rows, cols] = positions[~found]
+        match = (node.read_pos[rows] == positions[:, None]) & (node.read_cnt[rows] > 0)
+        match[~found] = False
+        match[np.flatnonzero(~found), cols] = True
+    cols = match.argmax(axis=1)
+    node.read_cnt[rows, cols] += delta
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
