@@ -149,6 +149,16 @@ def copy_budget_waves() -> list[list[Request]]:
             [c.copy().drop(1).reposition().add(10).request(f"budget-turn-{i}") for i, c in enumerate(warm)]]
 
 
+def segment_join_waves() -> list[list[Request]]:
+    """A warm conversation's turn with two segments (its drop anchored at its last message) sent
+    together with two short plain requests: they fit the chunk budget its rounds leave."""
+    conv = Conversation(32).add(7, 5, 4, 9)
+    return [[conv.request("join-warm", plain=True)],
+            [conv.copy().add(4, 9).drop(2).request("join-turn"),
+             Conversation(33).add(6, 5).request("join-plain-0", plain=True),
+             Conversation(34).add(5, 6).request("join-plain-1", plain=True)]]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)

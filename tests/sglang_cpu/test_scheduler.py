@@ -181,6 +181,20 @@ def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, ora
     assert_pool_back(report)
 
 
+def test_plain_requests_join_the_rounds_of_a_multi_segment_request(
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    """SGLang's one chunked-request slot is taken by a turn with two segments; short plain requests
+    sent with it run in its first round's forward instead of waiting for its last, and all are exact."""
+    waves = scenarios.segment_join_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64)
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, report["results"][request.rid])
+    first = next(b for b in report["batches"] if "join-turn" in b)
+    assert {"join-plain-0", "join-plain-1"} <= set(first), first
+    assert_pool_back(report)
+
+
 def test_aborts_release_everything_and_the_next_requests_are_exact(
         patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     waves = scenarios.abort_waves()
