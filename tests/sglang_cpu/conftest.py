@@ -27,13 +27,14 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def serve(site: Path, model: Path, waves: list[dict], *, overlap: bool = False, chunk: int = 4,
           backend: str | None = "akv", env: dict[str, str] | None = None, max_total_tokens: int = 4096,
           timeout: int = 1500, server_args: dict[str, Any] | None = None,
-          flashinfer_probe: bool = False) -> dict[str, Any]:
+          flashinfer_probe: bool = False, audit: bool = False) -> dict[str, Any]:
     """Run ``waves`` through a fresh scheduler in its own process; the driver's JSON report.
     ``server_args`` are extra ``ServerArgs`` fields (model-specific flags); ``flashinfer_probe`` also
-    plans FlashInfer for every context forward (see flashinfer_probe.py)."""
+    plans FlashInfer for every context forward (see flashinfer_probe.py); ``audit`` checks every
+    cache read against the brute force while it runs."""
     job = {"model": str(model), "overlap": overlap, "chunk": chunk, "backend": backend,
            "env": {**STRICT, **(env or {})}, "waves": waves, "max_total_tokens": max_total_tokens,
-           "server_args": server_args or {}, "flashinfer_probe": flashinfer_probe}
+           "server_args": server_args or {}, "flashinfer_probe": flashinfer_probe, "audit": audit}
     process_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
     done = subprocess.run([sys.executable, str(HERE / "scheduler_driver.py")], input=json.dumps(job),
                           capture_output=True, text=True, env=process_env, timeout=timeout, check=False)

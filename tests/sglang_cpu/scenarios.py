@@ -140,6 +140,25 @@ def pressure_waves() -> list[list[Request]]:
              Conversation(22).add(20, 20, 20).request("press-plain", plain=True, max_new=10)]]
 
 
+def copy_budget_waves() -> list[list[Request]]:
+    """Two warm conversations, then in one wave a turn of each that drops message 1 and
+    repositions: 13 births and 40 re-rotation copies each. A 216-slot pool holds either turn but not
+    both at once: the second must wait because of its copies (its births alone would fit)."""
+    warm = [Conversation(seed).add(20, 20, 20, 20) for seed in (30, 31)]
+    return [[c.request(f"budget-warm-{i}", plain=True) for i, c in enumerate(warm)],
+            [c.copy().drop(1).reposition().add(10).request(f"budget-turn-{i}") for i, c in enumerate(warm)]]
+
+
+def segment_join_waves() -> list[list[Request]]:
+    """A warm conversation's turn with two segments (its drop anchored at its last message) sent
+    together with two short plain requests: they fit the chunk budget its rounds leave."""
+    conv = Conversation(32).add(7, 5, 4, 9)
+    return [[conv.request("join-warm", plain=True)],
+            [conv.copy().add(4, 9).drop(2).request("join-turn"),
+             Conversation(33).add(6, 5).request("join-plain-0", plain=True),
+             Conversation(34).add(5, 6).request("join-plain-1", plain=True)]]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)

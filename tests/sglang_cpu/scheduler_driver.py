@@ -7,6 +7,9 @@ SGLang's tokenizer manager feeds it; outputs are captured where the scheduler ha
 detokenizer. Per request the result holds the output ids, the usage SGLang reports, and the
 next-token logits of every forward that predicts a generated token (keyed by its index).
 
+With ``audit`` on, :class:`Audit` checks every read of the AKV cache against the brute force of
+``tests/cache/brute.py`` while the scheduler runs.
+
 Test-side setup only (nothing here changes SGLang): the torchvision shim, the Triton interpreter
 with its numpy scalar fix, the flag that keeps ``RotaryEmbedding`` off vllm's CPU kernel, and
 MiniMax-M2's QK norm on the CPU (``cpu_models``).
@@ -27,6 +30,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "sglang_patch"))
+sys.path.insert(0, str(HERE.parent / "cache"))
 
 import cpu_shim  # noqa: E402
 import flashinfer_probe  # noqa: E402
@@ -69,11 +73,84 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import PortArgs, ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
 
+class Audit:
+    """Shadow contents of the KV pool, as brute-force labels (token, history, position): every slot a
+    finished context request's plan read, and every prefix slot a plain request published over, must
+    hold the KV of the request's own event history; SGLang's allocator must never hand out or free a
+    slot the cache core still holds. Violations raise inside the scheduler (the run fails)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        import numpy as np
+        from brute import Interner, SimulatedKV, brute_layout
+
+        from akv.system.context.compiler import append_generated, compile_program
+        from akv.system.context.rules import parse_rules
+
+        self.np, self.brute_layout, self.append_generated = np, brute_layout, append_generated
+        self.plain_program = lambda ids: compile_program(ids, np.zeros(ids.size, dtype=np.int64),
+                                                          parse_rules(None, None, 1), 1)
+        self.kv, self.intern = SimulatedKV(), Interner()
+        self.counts = {"context_plans": 0, "plain_publications": 0, "allocations": 0, "frees": 0, "evicted": 0}
+        cache = scheduler.tree_cache
+        self.core, self.pool = cache.core, cache.core.pool
+        self.pool._on_free = self.kv.forget
+        finish, publish = self.core.finish, cache._publish_plain
+        allocator = cache.token_to_kv_pool_allocator
+        alloc, free = allocator.alloc, allocator.free
+        self.core.finish = lambda request, ids=None, slots=None: (self._finish(request, ids, slots),
+                                                                  finish(request, ids, slots))
+        cache._publish_plain = lambda req, row, is_insert: (self._publish(req, row), publish(req, row, is_insert))
+        evict = cache.evict
+        cache.evict = lambda params: self._evicted(evict(params))
+        allocator.alloc = lambda *a, **k: self._allocated(alloc(*a, **k))
+        allocator.free = lambda slots: (self._freed(slots), free(slots))
+
+    def _finish(self, request: Any, ids: Any, slots: Any) -> None:
+        brute = self.brute_layout(request.program, self.intern)
+        self.kv.execute(request.resolved_plan(), brute, self.pool)
+        if slots is not None and len(slots):
+            grown = self.brute_layout(self.append_generated(request.program, self.np.asarray(ids)), self.intern)
+            self.kv.write_generated(self.np.asarray(slots), grown, request.program.n_tokens, self.pool)
+        self.counts["context_plans"] += 1
+
+    def _publish(self, req: Any, row: Any) -> None:
+        ids = self.np.asarray((list(req.origin_input_ids) + list(req.output_ids))[: row.size], dtype=self.np.int64)
+        names = self.brute_layout(self.plain_program(ids), self.intern).names
+        start = req.cache_protected_len
+        for column in range(start):
+            got = self.kv.content.get(int(row[column]))
+            assert got == (names[column], column), f"{req.rid}: column {column} reads {got}, needs {(names[column], column)}"
+        for column in range(start, row.size):
+            self.kv.content[int(row[column])] = (names[column], column)
+        self.counts["plain_publications"] += 1
+
+    def _evicted(self, result: Any) -> Any:
+        self.counts["evicted"] += result.num_tokens_evicted
+        return result
+
+    def _allocated(self, slots: Any) -> Any:
+        if slots is not None and slots.numel():
+            ids = slots.cpu().numpy().astype("int64")
+            held = self.pool.refcount(ids) > 0
+            assert not held.any(), f"allocator handed out slot {int(ids[held][0])}, which the cache holds"
+            stale = [s for s in ids.tolist() if s in self.kv.content]
+            assert not stale, f"allocator handed out slot {stale[0]} whose KV was never released by the cache"
+            self.counts["allocations"] += 1
+        return slots
+
+    def _freed(self, slots: Any) -> None:
+        if slots.numel():
+            ids = slots.cpu().numpy().astype("int64")
+            held = self.pool.refcount(ids) > 0
+            assert not held.any(), f"slot {int(ids[held][0])} freed while the cache holds it"
+            self.counts["frees"] += 1
+
+
 class Driver:
     """One scheduler, its loop thread, the request socket and everything captured."""
 
     def __init__(self, model: str, overlap: bool, chunk: int, backend: str | None, max_total_tokens: int,
-                 extra_args: dict[str, Any]) -> None:
+                 extra_args: dict[str, Any], audit: bool = False) -> None:
         args = ServerArgs(
             model_path=model, device="cpu", attention_backend="triton", sampling_backend="pytorch", page_size=1,
             dtype="float32", disable_cuda_graph=True, disable_overlap_schedule=not overlap,
@@ -95,6 +172,7 @@ class Driver:
         self.batches: list[list[str]] = []
         self.prompt_len: dict[str, int] = {}
         self._record_logits()
+        self.audit = Audit(self.scheduler) if audit else None
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -206,7 +284,7 @@ def main() -> None:
         flashinfer_probe.install()
     started = time.time()
     driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096),
-                    job.get("server_args", {}))
+                    job.get("server_args", {}), job.get("audit", False))
     report: dict[str, Any] = {"startup_s": round(time.time() - started, 1), "waves": []}
     for wave in job["waves"]:
         t = time.time()
@@ -220,6 +298,7 @@ def main() -> None:
     report["batches"] = driver.batches
     if job.get("flashinfer_probe"):
         report["flashinfer_probe"] = flashinfer_probe.report()
+    report["audit"] = None if driver.audit is None else driver.audit.counts
     print(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)

@@ -176,6 +176,34 @@ def test_requests_that_cannot_fit_now_wait_and_are_exact(patched_site: Path, tin
     assert_pool_back(report)
 
 
+def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    """Two turns sent together whose births fit the pool but whose births and re-rotation copies do
+    not: the second waits for the first (instead of the scheduler running out of memory) and both
+    are exact."""
+    waves = scenarios.copy_budget_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64, max_total_tokens=216)
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, report["results"][request.rid])
+    turns = [r.rid for r in waves[1]]
+    assert not any(set(turns) <= set(b) for b in report["batches"]), "both turns ran in one forward"
+    assert_pool_back(report)
+
+
+def test_plain_requests_join_the_rounds_of_a_multi_segment_request(
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    """SGLang's one chunked-request slot is taken by a turn with two segments; short plain requests
+    sent with it run in its first round's forward instead of waiting for its last, and all are exact."""
+    waves = scenarios.segment_join_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64)
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, report["results"][request.rid])
+    first = next(b for b in report["batches"] if "join-turn" in b)
+    assert {"join-plain-0", "join-plain-1"} <= set(first), first
+    assert_pool_back(report)
+
+
 def test_aborts_release_everything_and_the_next_requests_are_exact(
         patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     waves = scenarios.abort_waves()

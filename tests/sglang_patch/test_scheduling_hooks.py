@@ -92,6 +92,14 @@ def test_rounds_stop_at_segment_ends_and_serialize_on_the_chunked_slot() -> None
     req.set_extend_range = lambda lo, hi: setattr(req, "extend_range", SimpleNamespace(start=lo, end=hi))
     req.set_extend_range(0, prog.n_tokens)
     assert cap_extend(req) and req.extend_range.end == segments[0].end
-    assert must_wait(req, has_chunked_req=True, new_chunked_req=None)
-    assert must_wait(SimpleNamespace(akv=None), has_chunked_req=False, new_chunked_req=req)
-    assert not must_wait(SimpleNamespace(akv=None), has_chunked_req=True, new_chunked_req=None)
+    idle = SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=64)
+    assert not must_wait(idle, req, has_chunked_req=False)
+    assert must_wait(idle, req, has_chunked_req=True)  # a multi-round request waits for the slot
+    short = SimpleNamespace(akv=None, full_untruncated_fill_ids=[1] * 8, prefix_indices=[])
+    with_context = SimpleNamespace(new_chunked_req=req, can_run_list=[req], rem_chunk_tokens=64)
+    assert not must_wait(with_context, short, has_chunked_req=False)  # its whole prefill fits: it joins
+    assert must_wait(SimpleNamespace(new_chunked_req=req, can_run_list=[req], rem_chunk_tokens=4), short,
+                     has_chunked_req=False)  # SGLang would have to chunk it: it waits
+    plain_chunked = SimpleNamespace(akv=None)
+    assert not must_wait(SimpleNamespace(new_chunked_req=None, can_run_list=[plain_chunked], rem_chunk_tokens=4),
+                         short, has_chunked_req=True)  # plain traffic keeps SGLang's own path

@@ -1,7 +1,10 @@
-"""The serving_chat hook: which context requests are admitted, and that plain ones are never checked."""
+"""The serving hooks: which context requests are admitted, that plain ones are never checked, and
+that context requests are converted off the event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +13,7 @@ import pytest
 from akv.system.adapter.serving import (
     UnsupportedContextRequest,
     compile_context_program,
+    convert_request,
     prepare_context_request,
 )
 from akv.system.context.drop_rule import RequestRules
@@ -219,3 +223,50 @@ def test_unplaceable_text_is_a_400_on_drop_rule(tokenizer) -> None:
     with pytest.raises(SpanError) as info:
         compile_context_program(request, tokenizer, normalised, None, {}, prompt_ids)
     assert error_param(info.value) == "drop_rule"
+
+
+class _BlockingServing:
+    """A serving object whose conversion records its thread and, for ``gate``, waits until released."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate = gate
+        self.threads: list[int] = []
+
+    def _convert_to_internal_request(self, request: object, raw_request: object) -> tuple[object, object]:
+        self.threads.append(threading.get_ident())
+        if self.gate is not None and not self.gate.wait(timeout=30):
+            raise TimeoutError("gate: never opened")
+        if getattr(request, "bad", False):
+            raise ValueError("messages: bad")
+        return ("adapted", request)
+
+
+def test_plain_requests_convert_inline() -> None:
+    serving = _BlockingServing()
+    out = asyncio.run(convert_request(serving, _request(), None))
+    assert out[0] == "adapted" and serving.threads == [threading.get_ident()]
+
+
+def test_context_requests_convert_off_the_event_loop() -> None:
+    """While a context request's conversion is stuck, the event loop still runs other work (a plain
+    request's conversion); the context request completes once released."""
+    gate = threading.Event()
+    serving = _BlockingServing(gate)
+
+    async def scenario() -> tuple[object, object]:
+        long = asyncio.ensure_future(convert_request(serving, _request(drop_message={"2": [0]}), None))
+        while not serving.threads:
+            await asyncio.sleep(0.001)
+        plain = await convert_request(_BlockingServing(), _request(), None)
+        assert not long.done(), "the context conversion finished although it is still held"
+        gate.set()
+        return plain, await long
+
+    plain, long = asyncio.run(scenario())
+    assert plain[0] == "adapted" and long[0] == "adapted"
+    assert serving.threads[0] != threading.get_ident()
+
+
+def test_errors_of_an_off_loop_conversion_reach_the_handler() -> None:
+    with pytest.raises(ValueError, match="messages: bad"):
+        asyncio.run(convert_request(_BlockingServing(), _request(reposition=[1], bad=True), None))

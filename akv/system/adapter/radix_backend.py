@@ -36,6 +36,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.runtime_context import get_server_args
 
 
@@ -82,7 +83,8 @@ class AkvRadixCache(BasePrefixCache):
         self.disable = False
         self.device = self.token_to_kv_pool_allocator.device
         allocator = self.token_to_kv_pool_allocator
-        self.core = CacheCore(SlotPool(allocator.size, free_list=AllocatorFreeList(allocator)))
+        self.core = CacheCore(SlotPool(allocator.size, free_list=AllocatorFreeList(allocator)),
+                              evict=lambda n: evict_from_tree_cache(self, n))
         self.root_node = RootNode()
         self.visibility = VisibilityTable(self.req_to_token_pool.req_to_token)
         server_args = get_server_args()

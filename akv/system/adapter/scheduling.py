@@ -51,15 +51,32 @@ def cap_extend(req: Any) -> bool:
     return hi < len(req.full_untruncated_fill_ids)
 
 
-def must_wait(req: Any, has_chunked_req: bool, new_chunked_req: Any) -> bool:
-    """SGLang runs one chunked request at a time: once a context request took the slot in this
-    batch nothing else is added, and a multi-round context request waits while the slot is taken."""
-    if new_chunked_req is not None:
-        return True
+def must_wait(adder: Any, req: Any, has_chunked_req: bool) -> bool:
+    """SGLang runs one chunked request at a time. While one holds that slot (a request continuing its
+    rounds, or one added to this batch), another joins the batch only if its whole prefill runs in
+    this round: one segment, within the chunk budget left; otherwise it waits (a multi-round context
+    request, or a prompt SGLang would have to chunk). Plain traffic around a plain chunked request
+    takes SGLang's own path."""
+    if not has_chunked_req and adder.new_chunked_req is None:
+        return False
     state: AkvRequest | None = req.akv
-    return state is not None and has_chunked_req and state.needs_rounds()
+    if state is None and not any(r.akv is not None for r in adder.can_run_list):
+        return False
+    if state is not None and state.needs_rounds():
+        return True
+    budget = adder.rem_chunk_tokens
+    return budget is None or len(req.full_untruncated_fill_ids) - len(req.prefix_indices) > budget
 
 
 def extra_budget(req: Any) -> int:
+    """Slots a context request needs beyond SGLang's own count (its copy slots; 0 for plain)."""
     state: AkvRequest | None = req.akv
     return 0 if state is None else state.extra_budget()
+
+
+def charge_copies(adder: Any, req: Any) -> None:
+    """Once ``req`` is admitted into the batch, take its copy slots from the adder's remaining
+    budgets (total and this batch's), so the next request's check sees them as used."""
+    extra = extra_budget(req)
+    adder.rem_total_token_offset += extra
+    adder.cur_rem_token_offset += extra

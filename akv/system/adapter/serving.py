@@ -1,13 +1,16 @@
 """Hooks for the patched ``serving_chat.py``: admit or refuse a context request, then compile its
-program from the very prompt SGLang rendered."""
+program from the very prompt SGLang rendered; for ``serving_base.py``: convert a context request
+(render, provenance, compile) in a worker thread, off the HTTP event loop."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from akv.system.adapter.protocol import message_dict, request_rules
-from akv.system.context.drop_rule import KeepTextDrop, RequestRules, ThinkingDrop
+from akv.system.context.drop_rule import KeepTextDrop, RequestRules, ThinkingDrop, is_context_request
 from akv.system.context.program import ContextProgram
 from akv.system.context.provenance import ProvenanceError
 from akv.system.context.request import compile_parsed, render_inputs
@@ -20,6 +23,10 @@ REQUIRED_PAGE_SIZE = 1
 ATTENTION_BACKENDS = ("triton", "flashinfer")
 """Attention backends that execute context requests (the first is the launcher's default)."""
 REQUIRED_RADIX_CACHE_BACKEND = "akv"
+
+_CONVERTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="akv-convert")
+"""One worker: conversions of context requests run one at a time, the tokenizer is never shared
+between two of them, and the event loop keeps serving while one runs."""
 
 _RENDER_ARGUMENTS = frozenset({"tokenizer", "messages", "drop_message", "reposition", "drop_rule", "tools",
                                "add_generation_prompt", "template"})
@@ -64,6 +71,17 @@ def error_param(error: ValueError) -> str | None:
     if isinstance(error, ProvenanceError):
         return "messages"
     return None
+
+
+async def convert_request(serving: Any, request: Any, raw_request: Any) -> Any:
+    """``serving._convert_to_internal_request(request, raw_request)``: inline for a plain request
+    (stock behaviour), in the worker thread for a context request, whose template render,
+    provenance and compile can take seconds for a long conversation."""
+    if not is_context_request(getattr(request, "drop_message", None), getattr(request, "drop_rule", None),
+                              getattr(request, "reposition", None)):
+        return serving._convert_to_internal_request(request, raw_request)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_CONVERTER, serving._convert_to_internal_request, request, raw_request)
 
 
 def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> RequestRules | None:

@@ -15,6 +15,7 @@ Slots are freed only when nothing references them.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -72,11 +73,13 @@ class ActiveRequest:
 
 
 class CacheCore:
-    """Radix tree + slot pool + planner, for one KV pool."""
+    """Radix tree + slot pool + planner, for one KV pool. ``evict(n)``: make room for ``n`` slots
+    when the pool is short (an engine passes its own eviction path; default: this core's tree)."""
 
-    def __init__(self, pool: SlotPool) -> None:
+    def __init__(self, pool: SlotPool, evict: Callable[[int], object] | None = None) -> None:
         self.pool = pool
         self.tree = RadixTree(pool)
+        self._evict = self._evict_tree if evict is None else evict
         self._rids = itertools.count()
         self._active: dict[int, ActiveRequest] = {}
 
@@ -147,13 +150,15 @@ class CacheCore:
 
     def allocate(self, n: int) -> np.ndarray:
         """``n`` fresh slots owned by the caller, evicting tree KV first if the pool is short."""
-        short = n - self.pool.n_free
-        if short > 0:
-            self.tree.evict(short)
+        if n > self.pool.n_free:
+            self._evict(n)
         try:
             return self.pool.alloc(n)
         except PoolExhausted as exc:
             raise CacheFull(f"{exc}; nothing more is evictable") from exc
+
+    def _evict_tree(self, n: int) -> None:
+        self.tree.evict(n - self.pool.n_free)
 
     def finish(self, request: ActiveRequest, generated_ids: np.ndarray | None = None,
                generated_slots: np.ndarray | None = None) -> None:

@@ -2,10 +2,20 @@
 
 Each node stores, per record of its edge, up to ``width`` versions (slot, position); event records
 and missing KV hold -1. The tree takes one pool reference per version it adopts and gives it back
-on eviction. A version is *live* when the most recent publication through it reads it from its
-path's end (token kept, stored at its final position); other versions (dropped tokens, positions
-superseded by a Repos) are evicted first and leave a hole: the structure stays, so the path still
-matches and a later request recomputes only what it must.
+on eviction.
+
+Eviction is drop-aware. A *path* is a root-to-leaf path whose end a publication recorded (the
+leaf keeps that publication's terminal: the position each token is read at from the end, -1 when
+dropped). Versions of a token every path drops go first (vacuously so when no recorded path passes
+through), then *stale* versions no path reads (positions superseded by a Repos on every path that
+keeps the token), then LRU leaves, then LRU inner versions. Evicting a version leaves a hole: the
+structure stays, so the path still matches and a later request recomputes only what it must. Only
+versions no request references are released.
+
+Each node counts, per token record, the recorded paths below it that read the token and at which
+positions (``read_pos``/``read_cnt``); a path end adds itself along its path when it is recorded
+and takes itself back when it stops being a leaf or is pruned, so ranking costs O(path) per
+publication and O(nodes touched since) per eviction, never a walk of every path.
 """
 
 from __future__ import annotations
@@ -27,16 +37,25 @@ class TreeError(ValueError):
     """Arguments to a tree operation are inconsistent; the message names the field and value."""
 
 
+DROPPED, STALE = 0, 1
+"""Eviction ranks before the LRU leaves: versions of tokens every path drops, versions no path reads."""
+
+
 class TreeNode:
-    """One edge: ``key`` records with ``slots``/``positions``/``live`` arrays of shape (len, width)."""
+    """One edge: ``key`` records with ``slots``/``positions`` arrays of shape (len, width);
+    ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
-    __slots__ = ("key", "slots", "positions", "live", "children", "parent", "last_access", "uid")
+    __slots__ = ("key", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
+                 "last_access", "uid")
 
-    def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, live: np.ndarray, uid: int) -> None:
+    def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
+                 read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
         self.key = key
         self.slots = slots
         self.positions = positions
-        self.live = live
+        self.read_pos = np.full((key.shape[0], 1), _EMPTY, dtype=np.int64) if read_pos is None else read_pos
+        self.read_cnt = np.zeros((key.shape[0], 1), dtype=np.int64) if read_cnt is None else read_cnt
+        self.terminal: np.ndarray | None = None
         self.children: dict[int, TreeNode] = {}
         self.parent: TreeNode | None = None
         self.last_access = 0
@@ -49,8 +68,13 @@ class TreeNode:
     def has_versions(self) -> bool:
         return bool((self.slots >= 0).any())
 
-    def has_stale(self) -> bool:
-        return bool(((self.slots >= 0) & ~self.live).any())
+    def ranked(self) -> tuple[np.ndarray, np.ndarray]:
+        """Cell masks: versions of tokens no recorded path keeps, and versions no recorded path reads."""
+        held = self.slots >= 0
+        counted = self.read_cnt > 0
+        kept = counted.any(axis=1)
+        read = ((self.positions[:, :, None] == self.read_pos[:, None, :]) & counted[:, None, :]).any(axis=2)
+        return held & ~kept[:, None], held & kept[:, None] & ~read
 
 
 class RadixTree:
@@ -63,7 +87,8 @@ class RadixTree:
         self._clock = 0
         self._n_nodes = 0
         self._leaves: list[tuple[int, int, TreeNode]] = []
-        self._stale: list[tuple[int, int, TreeNode]] = []
+        self._dirty: set[TreeNode] = set()
+        self._ranked: tuple[set[TreeNode], set[TreeNode]] = (set(), set())
         self.epoch = 0
 
     @property
@@ -111,7 +136,7 @@ class RadixTree:
 
         Versions the tree lacks are adopted (the tree takes a reference); duplicates of a resident
         (token, position) are left to the caller. ``terminal[t]`` is the position token ``t`` is read
-        at from the end of this path (-1 when dropped); it decides which versions are live.
+        at from the end of this path (-1 when dropped); the path's end keeps it to rank eviction.
         """
         n = key.n_tokens
         for name, arr in (("slots", slots), ("positions", positions)):
@@ -124,10 +149,8 @@ class RadixTree:
         n_rec = key.records.shape[0]
         rec_slots = np.full((n_rec, slots.shape[1]), _EMPTY, dtype=np.int64)
         rec_positions = np.full_like(rec_slots, _EMPTY)
-        rec_terminal = np.full(n_rec, _EMPTY, dtype=np.int64)
         rec_slots[key.token_record] = slots
         rec_positions[key.token_record] = np.where(slots >= 0, positions, _EMPTY)
-        rec_terminal[key.token_record] = terminal
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
@@ -142,33 +165,94 @@ class RadixTree:
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
             lo, hi = i, i + common
-            self._merge(child, rec_slots[lo:hi], rec_positions[lo:hi], rec_terminal[lo:hi])
+            self._merge(child, rec_slots[lo:hi], rec_positions[lo:hi])
             self._touch(child, stamp)
             i = hi
             node = child
+        if n_rec and not node.children:
+            self._record_end(node, np.asarray(terminal, dtype=np.int64))
 
     def evict(self, n_slots: int) -> int:
-        """Free at least ``n_slots`` slots if possible: stale versions first, then LRU leaves, then
-        (LRU) versions inside paths that requests pin below them, leaving holes a later request
-        recomputes. Only versions no request references are released. Returns the slots freed."""
+        """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
+        each rank). Returns the slots freed."""
         freed = 0
-        while freed < n_slots and self._stale:
-            node = self._pop_valid(self._stale)
-            if node is not None:
-                freed += self._release(node, ~node.live)
+        if n_slots > 0:
+            self._refresh()
+            for rank in (DROPPED, STALE):
+                # a release can prune a path end and so turn versions of the other nodes DROPPED: the
+                # second pass takes both ranks
+                nodes = self._ranked[DROPPED] | (self._ranked[STALE] if rank == STALE else set())
+                for node in sorted(nodes, key=lambda n: (n.last_access, n.uid)):
+                    if freed >= n_slots:
+                        break
+                    masks = node.ranked() if node.attached else None
+                    if masks is not None:
+                        freed += self._release(node, masks[DROPPED] | masks[rank])
+                    self._dirty.add(node)
+                self._refresh()
         while freed < n_slots and self._leaves:
             node = self._pop_valid(self._leaves)
             if node is not None and not node.children:
-                freed += self._release(node, np.ones_like(node.live))
+                freed += self._release(node, np.ones(node.slots.shape, dtype=bool))
         if freed < n_slots:
             for node in sorted(self._nodes(), key=lambda n: (n.last_access, n.uid)):
                 if freed >= n_slots:
                     break
                 if node.attached:
-                    freed += self._release(node, np.ones_like(node.live))
+                    freed += self._release(node, np.ones(node.slots.shape, dtype=bool))
         if freed:
             self.epoch += 1
         return freed
+
+    def ranks(self) -> dict[int, np.ndarray]:
+        """Resident slots by eviction rank: :data:`DROPPED`, :data:`STALE`, and 2 for the rest."""
+        masks = [(node, *node.ranked()) for node in self._nodes()]
+        out = {rank: np.concatenate([m[0].slots[m[1 + rank]] for m in masks] or [np.zeros(0, np.int64)])
+               for rank in (DROPPED, STALE)}
+        out[2] = np.setdiff1d(self.resident_slots(), np.concatenate([out[DROPPED], out[STALE]]))
+        return out
+
+    def _refresh(self) -> None:
+        """Re-rank the nodes whose versions or read counts changed since the last eviction."""
+        for node in self._dirty:
+            masks = node.ranked() if node.attached else None
+            for rank in (DROPPED, STALE):
+                if masks is not None and masks[rank].any():
+                    self._ranked[rank].add(node)
+                else:
+                    self._ranked[rank].discard(node)
+        self._dirty.clear()
+
+    def _record_end(self, node: TreeNode, terminal: np.ndarray) -> None:
+        """Make leaf ``node`` the end of a recorded path with ``terminal`` (replacing its own)."""
+        if node.terminal is not None:
+            if np.array_equal(node.terminal, terminal):
+                return
+            self._count_end(node, -1)
+        node.terminal = terminal.copy()
+        self._count_end(node, 1)
+
+    def _forget_end(self, node: TreeNode) -> None:
+        if node.terminal is not None:
+            self._count_end(node, -1)
+            node.terminal = None
+
+    def _count_end(self, end: TreeNode, delta: int) -> None:
+        """Add (+1) or take back (-1) the reads of the path ending at ``end`` in every node on it."""
+        terminal = end.terminal
+        assert terminal is not None
+        stop = terminal.size
+        node: TreeNode | None = end
+        while node is not None and node.attached:
+            rows = np.flatnonzero(node.key >= 0)
+            start = stop - rows.size
+            final = terminal[start:stop]
+            stop = start
+            kept = final >= 0
+            if kept.any():
+                _count_reads(node, rows[kept], final[kept], delta)
+                self._dirty.add(node)
+            node = node.parent
 
     def flush(self) -> None:
         """Give back every reference the tree holds and forget all paths."""
@@ -179,7 +263,9 @@ class RadixTree:
             node.parent = None
         self._roots.clear()
         self._leaves.clear()
-        self._stale.clear()
+        self._dirty.clear()
+        for ranked in self._ranked:
+            ranked.clear()
         self._n_nodes = 0
         self.epoch += 1
 
@@ -187,7 +273,7 @@ class RadixTree:
         root = self._roots.get(namespace)
         if root is None:
             empty = np.zeros((0, 1), dtype=np.int64)
-            root = TreeNode(np.zeros(0, dtype=np.int64), empty, empty.copy(), np.zeros((0, 1), bool), next(self._uids))
+            root = TreeNode(np.zeros(0, dtype=np.int64), empty, empty.copy(), next(self._uids))
             self._roots[namespace] = root
         return root
 
@@ -208,8 +294,6 @@ class RadixTree:
         node.last_access = stamp
         if not node.children:
             self._push(self._leaves, node)
-        if node.has_stale():
-            self._push(self._stale, node)
 
     def _push(self, heap: list[tuple[int, int, TreeNode]], node: TreeNode) -> None:
         heapq.heappush(heap, (node.last_access, node.uid, node))
@@ -225,8 +309,9 @@ class RadixTree:
     def _new_node(self, key: np.ndarray, parent: TreeNode) -> TreeNode:
         width = 1
         empty = np.full((key.shape[0], width), _EMPTY, dtype=np.int64)
-        node = TreeNode(key, empty, empty.copy(), np.zeros_like(empty, dtype=bool), next(self._uids))
+        node = TreeNode(key, empty, empty.copy(), next(self._uids))
         node.parent = parent
+        self._forget_end(parent)  # no longer a leaf: the path ends below it now
         parent.children[int(key[0])] = node
         self._n_nodes += 1
         return node
@@ -235,17 +320,20 @@ class RadixTree:
         """Cut ``node`` after ``at`` records; the new upper node is returned, ``node`` keeps the rest."""
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(node.key[:at], node.slots[:at], node.positions[:at], node.live[:at], next(self._uids))
+        upper = TreeNode(node.key[:at], node.slots[:at], node.positions[:at], next(self._uids),
+                         node.read_pos[:at], node.read_cnt[:at])
         upper.parent = parent
         upper.last_access = node.last_access
         parent.children[int(upper.key[0])] = upper
-        node.key, node.slots, node.positions, node.live = node.key[at:], node.slots[at:], node.positions[at:], node.live[at:]
+        node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
+        node.read_pos, node.read_cnt = node.read_pos[at:], node.read_cnt[at:]
+        self._dirty.update((node, upper))
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self._n_nodes += 1
         return upper
 
-    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> None:
+    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> None:
         for j in range(slots.shape[1]):
             add = slots[:, j] >= 0
             add &= ~((node.positions == positions[:, j, None]) & (node.slots >= 0)).any(axis=1)
@@ -261,7 +349,7 @@ class RadixTree:
             node.slots[rows, cols] = slots[rows, j]
             node.positions[rows, cols] = positions[rows, j]
             self.pool.tree_incref(slots[rows, j])
-        node.live = (node.slots >= 0) & (node.positions == terminal[:, None])
+            self._dirty.add(node)
 
     def _release(self, node: TreeNode, which: np.ndarray) -> int:
         held = (node.slots >= 0) & which
@@ -272,7 +360,6 @@ class RadixTree:
             count = self.pool.tree_decref(node.slots[held])
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
-            node.live = node.live & ~held
         self._prune(node)
         return count
 
@@ -281,12 +368,36 @@ class RadixTree:
         while node.attached and not node.children and not node.has_versions():
             parent = node.parent
             assert parent is not None
+            self._forget_end(node)
             del parent.children[int(node.key[0])]
             node.parent = None
             self._n_nodes -= 1
+            self._dirty.add(node)
             if parent.attached and not parent.children:
                 self._push(self._leaves, parent)
             node = parent
+
+
+def _count_reads(node: TreeNode, rows: np.ndarray, positions: np.ndarray, delta: int) -> None:
+    """Add ``delta`` to the count of paths reading row ``rows[i]`` at ``positions[i]``."""
+    match = (node.read_pos[rows] == positions[:, None]) & (node.read_cnt[rows] > 0)
+    found = match.any(axis=1)
+    if delta < 0 and not found.all():
+        raise TreeError(f"read_cnt: row {int(rows[~found][0])} of a recorded path was never counted")
+    if not found.all():
+        free = node.read_cnt[rows[~found]] == 0
+        if not free.any(axis=1).all():
+            node.read_pos = _widen(node.read_pos)
+            node.read_cnt = np.concatenate([node.read_cnt, np.zeros((node.read_cnt.shape[0], 1), np.int64)], axis=1)
+            free = node.read_cnt[rows[~found]] == 0
+        new_rows = rows[~found]
+        cols = free.argmax(axis=1)
+        node.read_pos[new_rows, cols] = positions[~found]
+        match = (node.read_pos[rows] == positions[:, None]) & (node.read_cnt[rows] > 0)
+        match[~found] = False
+        match[np.flatnonzero(~found), cols] = True
+    cols = match.argmax(axis=1)
+    node.read_cnt[rows, cols] += delta
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -1,0 +1,109 @@
+"""What SGLang's single chunked request costs concurrent context turns (CPU scheduler; issue 10).
+
+Run: ``python bench/segment_serialization.py --out bench/results/segment_serialization.json``.
+
+SGLang keeps one chunked request at a time, and a context request whose plan has several segments
+rides on that mechanism, so two such requests never run their rounds side by side. An agent turn
+whose drop is anchored at its last message has two segments (the new messages, then the generation
+prompt after the drop); with the drop anchored one message earlier the same turn has one. Both
+kinds, ``K`` warm conversations at once, through SGLang's real scheduler on the CPU (tiny FP32
+Qwen3, the driver of ``tests/sglang_cpu``): wall time of the wave, forwards it took, the largest
+batch, and per request the index of the wave's first forward that carries it (its first round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from akv.system import _build  # noqa: E402
+from akv.system.cache.core import CacheCore  # noqa: E402
+from akv.system.cache.pool import SlotPool  # noqa: E402
+from akv.system.context.compiler import compile_program  # noqa: E402
+from akv.system.context.rules import parse_rules  # noqa: E402
+from akv.system.models.tiny import make_tiny_model  # noqa: E402
+from tests.sglang_cpu import scenarios  # noqa: E402
+from tests.sglang_cpu.conftest import serve  # noqa: E402
+from tests.sglang_cpu.scenarios import Conversation, Request  # noqa: E402
+
+
+def waves(k: int, last_anchor: bool, seed: int) -> list[list[Request]]:
+    """A plain warm-up turn of ``k`` conversations, then one context turn of each."""
+    convs = [Conversation(seed + i).add(7, 5, 4, 9, 4, 9) for i in range(k)]
+    warm = [c.request(f"warm-{i}", plain=True) for i, c in enumerate(convs)]
+    turns = []
+    for i, conv in enumerate(convs):
+        if last_anchor:
+            conv.add(4, 9).drop(2)
+        else:
+            conv.drop(2).add(4, 9)
+        turns.append(conv.request(f"turn-{i}", max_new=4))
+    return [warm, turns]
+
+
+def _segments(job: list[list[Request]]) -> list[int]:
+    """Segments of each turn's plan once its warm-up turn is in the cache (the cache core's own plan)."""
+    core = CacheCore(SlotPool(1 << 14))
+    out = []
+    for warm, turn in zip(*job):
+        ids = np.array(warm.ids, dtype=np.int64)
+        core.finish(core.admit(compile_program(ids, np.zeros(ids.size, np.int64), parse_rules(None, None, 1), 1)))
+        out.append(len(core.match(turn.program).plan.plan.segments))
+    return out
+
+
+def measure(site: Path, model: Path, k: int, last_anchor: bool, seed: int) -> dict[str, Any]:
+    job = waves(k, last_anchor, seed)
+    report = serve(site, model, scenarios.job(job), chunk=64)
+    rids = [r.rid for r in job[1]]
+    wave = [b for b in report["batches"] if set(b) & set(rids)]
+    first_token = {r: next(i for i, b in enumerate(wave) if r in b) for r in rids}
+    return {
+        "drop_anchor": "last message" if last_anchor else "message before the new ones",
+        "segments_per_turn": sorted(set(_segments(job))),
+        "wave_s": report["waves"][1]["seconds"],
+        "forwards": len(wave),
+        "max_batch": max(len(b) for b in wave),
+        "first_forward_per_request": list(first_token.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--k", type=int, default=6)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="akv-segments-") as tmp:
+        work = Path(tmp)
+        wheel = _build.build(work / "dist", _build.python_tag()).wheel
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target",
+                        str(work / "site"), str(wheel)], check=True)
+        model = make_tiny_model(work / "tiny-qwen3", seed=3)
+        result = {
+            "command": "python bench/segment_serialization.py" + (f" --k {args.k}" if args.k != 6 else ""),
+            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
+            "k": args.k,
+            "two_segments": measure(work / "site", model, args.k, True, 60),
+            "one_segment": measure(work / "site", model, args.k, False, 60),
+        }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
