@@ -88,7 +88,8 @@ def run_convert(model: Path, calls: int, repeats: int) -> dict[str, Any]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     prompt_ids = stock()
-    request = SimpleNamespace(drop_message=body["drop_message"], reposition=body["reposition"])
+    request = SimpleNamespace(messages=messages, drop_message=body["drop_message"], reposition=body["reposition"],
+                              akv_unknown_fields=None)
     medians, results = _interleaved({
         "sglang_render_encode": stock,
         "akv_provenance_compile": lambda: compile_context_program(request, tokenizer, messages, None, {}, prompt_ids),

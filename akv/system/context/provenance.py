@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from itertools import chain
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -183,7 +184,8 @@ def token_provenance(owned: OwnedText, tokenizer: Any) -> TokenProvenance:
         raise ProvenanceError(f"tokenizer: {name} gives no character offsets (needs a fast tokenizer)")
     encoding = backend.encode(owned.text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int64)
-    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    pairs = encoding.offsets
+    offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
     owners, boundary = _token_owners(offsets, owned)
     for arr in (ids, offsets, owners, boundary):
         arr.flags.writeable = False
@@ -369,8 +371,10 @@ def _settle_owners(char_owners: np.ndarray, in_loop: np.ndarray, text: str, n_me
 
 def _check_rendered_elsewhere(messages: Sequence[Mapping[str, Any]], owners: np.ndarray, text: str) -> None:
     """A later message that owns nothing yet whose content is in the prompt was rendered outside its
-    loop (e.g. folded into the preamble): its text would silently count as another message's."""
-    owning = set(np.unique(owners).tolist())
+    loop (e.g. folded into the preamble): its text would silently count as another message's.
+    ``owners`` is non-decreasing (checked by :func:`_settle_owners`)."""
+    changes = np.flatnonzero(owners[1:] != owners[:-1]) + 1
+    owning = set(owners[:1].tolist()) | set(owners[changes].tolist())
     for i in range(1, len(messages)):
         content = messages[i].get("content")
         if i not in owning and isinstance(content, str) and content and content in text:
