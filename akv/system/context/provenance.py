@@ -38,6 +38,7 @@ _MARK_FILTER = "akvprovenance"
 _GENERATION_FLAG = "add_generation_prompt"
 _NONE = -1
 _REPLY = -2
+_DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
 class ProvenanceError(ValueError):
@@ -97,9 +98,34 @@ def _mark_filter(
     return context.get(_MARK_FN)(value, candidates, loops, reply)
 
 
+class _Environment(ImmutableSandboxedEnvironment):
+    """Transformers' sandbox, with each attribute's safety remembered per (object type, name) (the
+    check reads nothing else), and a plain dict's keys read without first failing an attribute
+    lookup (a dict has no attribute of that name, so the sandbox would subscript it anyway)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._safe: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = self._safe.get(key)
+        if safe is None:
+            safe = self._safe[key] = super().is_safe_attribute(obj, attr, value)
+        return safe
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The environment transformers' ``apply_chat_template`` renders with."""
-    env = ImmutableSandboxedEnvironment(
+    env = _Environment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
