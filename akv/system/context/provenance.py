@@ -277,7 +277,10 @@ class _Instrumenter:
 
     def visit(self, node: nodes.Node, scope: tuple[tuple[str, bool], ...], reply: bool) -> None:
         if isinstance(node, nodes.Output):
-            node.nodes = [self._wrap(child, scope, reply) for child in node.nodes]
+            # One marker per output statement: its pieces share the scope, so they share the owner.
+            children = [nodes.Const(c.data) if isinstance(c, nodes.TemplateData) else c for c in node.nodes]
+            if children:
+                node.nodes = [self._wrap(children[0] if len(children) == 1 else nodes.Concat(children), scope, reply)]
             return
         if isinstance(node, nodes.For):
             inner = scope + tuple((name, True) for name in _target_names(node.target))
@@ -309,8 +312,6 @@ class _Instrumenter:
 
     @staticmethod
     def _wrap(child: nodes.Expr, scope: tuple[tuple[str, bool], ...], reply: bool) -> nodes.Expr:
-        if isinstance(child, nodes.TemplateData):
-            child = nodes.Const(child.data)
         candidates = nodes.Tuple([nodes.Name(name, "load") for name, _ in scope], "load")
         loops = nodes.Const(tuple(in_loop for _, in_loop in scope))
         return nodes.Filter(child, _MARK_FILTER, [candidates, loops, nodes.Const(reply)], [], None, None)
