@@ -232,6 +232,11 @@ def test_provenance_feeds_the_compiler(chatml_tokenizer: Any) -> None:
         (LOOP + "|" + LOOP, None, "outside any message loop"),
         ("{% for m in messages|reverse %}{{ m.content }}{% endfor %}", None, "message 0 is rendered after message 1"),
         ("{% filter upper %}" + LOOP + "{% endfilter %}", None, "rewrote template output"),
+        ("{% set body %}" + LOOP + "{% endset %}{{ body|length }}", None, "rewrote template output"),
+        ("{% macro show(m) %}{{ m.content }}{% endmacro %}{% for m in messages %}{{ show(m)|length }}{% endfor %}",
+         None, "rewrote template output"),
+        ("{% macro wrap() %}{{ caller()|length }}{% endmacro %}{% call wrap() %}" + LOOP + "{% endcall %}", None,
+         "rewrote template output"),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", "same", r"messages\[1\]: same object as messages\[0\]"),
         ("{% for m in messages %}{{ m }}{% endfor %}", "text", r"messages\[0\]: expected an object, got str"),
         (

@@ -7,7 +7,8 @@ message; an output inside an ``{% if add_generation_prompt %}`` branch belongs t
 block and tool list) belongs to message 0, and so does output between a message 0 rendered outside
 the message loop (e.g. through a macro argument) and the next message. Output owned by no message
 is left unmarked, so templates can test and slice it. The instrumented text, with its markers
-removed, must equal the plain render, and the plain text is encoded once, as SGLang does
+removed, must equal the plain render (rendered to compare only when the template can read back its
+own output: otherwise they are equal by construction), and the text is encoded once, as SGLang does
 (``add_special_tokens=False``). A token takes the owner of its first character; tokens whose
 characters span two owners are reported in ``boundary_tokens``. Anything else that would need a
 guess (unowned text between messages, messages rendered out of order, one message object listed
@@ -144,6 +145,7 @@ class ChatTemplate:
         env = _environment()
         self._plain = env.from_string(source)
         tree = env.parse(source)
+        self._rereads_output = _rereads_output(tree)
         _Instrumenter().visit(tree, (), False)
         self._instrumented = env.from_string(tree)
 
@@ -168,7 +170,8 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **variables: Any,
     ) -> OwnedText:
-        """Render once with ownership; checks the result against the plain render."""
+        """Render once with ownership; checks the result against the plain render when the template
+        can read back its own output (only then can the markers have changed it)."""
         index = _identity_index(messages)
         nonce = secrets.token_hex(8)
 
@@ -187,7 +190,8 @@ class ChatTemplate:
             **{_MARK_FN: mark},
         )
         text, char_owners, in_loop = _strip_markers(raw, nonce, len(messages))
-        plain = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+        plain = (self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+                 if self._rereads_output else text)
         if text != plain:
             at = next((i for i, (a, b) in enumerate(zip(text, plain)) if a != b), min(len(text), len(plain)))
             raise ProvenanceError(
@@ -315,6 +319,17 @@ class _Instrumenter:
         candidates = nodes.Tuple([nodes.Name(name, "load") for name, _ in scope], "load")
         loops = nodes.Const(tuple(in_loop for _, in_loop in scope))
         return nodes.Filter(child, _MARK_FILTER, [candidates, loops, nodes.Const(reply)], [], None, None)
+
+
+_CAPTURES = (nodes.Macro, nodes.CallBlock, nodes.AssignBlock, nodes.FilterBlock, nodes.Block, nodes.Extends,
+             nodes.Include, nodes.Import, nodes.FromImport)
+
+
+def _rereads_output(tree: nodes.Template) -> bool:
+    """True when rendered output can become a value again (macros, ``caller()``, ``set`` and
+    ``filter`` blocks, blocks, other templates, recursive loops); otherwise every output goes
+    straight to the result, so the instrumented render without markers is the plain render."""
+    return any(True for _ in tree.find_all(_CAPTURES)) or any(f.recursive for f in tree.find_all(nodes.For))
 
 
 def _requires_generation(test: nodes.Node) -> bool:
