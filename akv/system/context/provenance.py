@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from itertools import chain
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
+from itertools import chain
 from typing import Any
 
 import jinja2
