@@ -8,7 +8,8 @@ Run: ``python bench/provenance_offloop.py --out bench/results/provenance_offloop
   + ``encode``) against AKV's provenance + compile of the same request with a rolling drop and a
   periodic reposition (``akv.system.adapter.serving.compile_context_program``); medians, and
   their ratio. ``of_which_plain_render_check``: the plain render provenance repeats to check its
-  instrumented render (SGLang has just rendered the same text).
+  instrumented render (SGLang has just rendered the same text); only templates that can read back
+  their own output (macros, ``set``/``filter``/call blocks) pay it, so not this Qwen3 one.
 - ``http``: the patched server on the CPU (``akv.system.launch_server``, tiny FP32 Qwen3, the
   test-side setup of ``tests/sglang_cpu/site``). A short plain request alone, then the same short
   request sent over and over while the long context request is in the server: the short
@@ -88,7 +89,8 @@ def run_convert(model: Path, calls: int, repeats: int) -> dict[str, Any]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     prompt_ids = stock()
-    request = SimpleNamespace(drop_message=body["drop_message"], reposition=body["reposition"])
+    request = SimpleNamespace(messages=messages, drop_message=body["drop_message"], reposition=body["reposition"],
+                              akv_unknown_fields=None)
     medians, results = _interleaved({
         "sglang_render_encode": stock,
         "akv_provenance_compile": lambda: compile_context_program(request, tokenizer, messages, None, {}, prompt_ids),

@@ -232,6 +232,11 @@ def test_provenance_feeds_the_compiler(chatml_tokenizer: Any) -> None:
         (LOOP + "|" + LOOP, None, "outside any message loop"),
         ("{% for m in messages|reverse %}{{ m.content }}{% endfor %}", None, "message 0 is rendered after message 1"),
         ("{% filter upper %}" + LOOP + "{% endfilter %}", None, "rewrote template output"),
+        ("{% set body %}" + LOOP + "{% endset %}{{ body|length }}", None, "rewrote template output"),
+        ("{% macro show(m) %}{{ m.content }}{% endmacro %}{% for m in messages %}{{ show(m)|length }}{% endfor %}",
+         None, "rewrote template output"),
+        ("{% macro wrap() %}{{ caller()|length }}{% endmacro %}{% call wrap() %}" + LOOP + "{% endcall %}", None,
+         "rewrote template output"),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", "same", r"messages\[1\]: same object as messages\[0\]"),
         ("{% for m in messages %}{{ m }}{% endfor %}", "text", r"messages\[0\]: expected an object, got str"),
         (
@@ -280,3 +285,49 @@ def test_generation_prompt_detection_follows_the_test_expression() -> None:
     negated = ChatTemplate(loop + "{% if not add_generation_prompt %}E{% endif %}")
     with pytest.raises(ProvenanceError, match=r"character 1 \('E'\) is emitted outside any message loop"):
         negated.render_owned(one, add_generation_prompt=False)
+
+
+class _Clearable:
+    """A template variable whose ``clear`` is safe to read (it mutates nothing the sandbox knows)."""
+
+    def clear(self) -> str:
+        return "cleared"
+
+
+# Attribute reads whose sandbox verdict depends on the object's type: a key, a missing key, a dict
+# method, a key named like a dict method, a private name, a mutating method of a dict and a list, and
+# the same name on an object that is not a known mutable type (read first, so a verdict remembered by
+# name alone would leak onto the dict).
+SANDBOX_CASES = [
+    "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}[{{ m.missing is defined }}{{ m.missing }}]{% endfor %}",
+    "{% for m in messages %}{{ m.get('content') }}{{ m.items() | list | length }}{% endfor %}",
+    "{% for m in messages %}{{ m['items'] }}|{{ m.items is callable }}{% endfor %}",
+    "{% for m in messages %}{{ m.__class__ }}{% endfor %}",
+    "{{ thing.clear() }}{% for m in messages %}{{ m.clear is defined }}{% endfor %}",
+    "{% for m in messages %}{{ m.clear() }}{% endfor %}",
+    "{% for m in messages %}{{ messages.append(m) }}{% endfor %}",
+    "{% for m in messages %}{{ m.content.upper() }}{{ m.content.__len__ }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("source", SANDBOX_CASES)
+def test_sandbox_reads_attributes_like_jinjas_immutable_sandbox(source: str) -> None:
+    from collections import OrderedDict
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": "user", "content": "a", "items": "key"}, OrderedDict(role="assistant", content="b")]
+
+    def outcome(render: Any) -> tuple[str, str]:
+        try:
+            return "ok", render()
+        except Exception as exc:  # noqa: BLE001 - the reference's error is the expected outcome
+            return type(exc).__name__, str(exc)
+
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    expected = outcome(lambda: reference.render(messages=messages, thing=_Clearable()))
+    template = ChatTemplate(source)
+    assert outcome(lambda: template.render(messages, thing=_Clearable())) == expected
+    if expected[0] == "ok":
+        assert template.render_owned(messages, thing=_Clearable()).text == expected[1]

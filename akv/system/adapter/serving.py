@@ -148,8 +148,8 @@ def compile_context_program(
             "chat_template_kwargs",
         )
     compiled = compile_parsed(tokenizer, messages, prepared.rules, tools=tools, template=prepared.template, **variables)
-    expected = [int(t) for t in prompt_ids]
     got = compiled.program.token_ids.tolist()
+    expected = got if got == list(prompt_ids) else [int(t) for t in prompt_ids]
     if got != expected:
         at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
         raise UnsupportedContextRequest(

@@ -7,7 +7,8 @@ message; an output inside an ``{% if add_generation_prompt %}`` branch belongs t
 block and tool list) belongs to message 0, and so does output between a message 0 rendered outside
 the message loop (e.g. through a macro argument) and the next message. Output owned by no message
 is left unmarked, so templates can test and slice it. The instrumented text, with its markers
-removed, must equal the plain render, and the plain text is encoded once, as SGLang does
+removed, must equal the plain render (rendered to compare only when the template can read back its
+own output: otherwise they are equal by construction), and the text is encoded once, as SGLang does
 (``add_special_tokens=False``). A token takes the owner of its first character; tokens whose
 characters span two owners are reported in ``boundary_tokens``. Anything else that would need a
 guess (unowned text between messages, messages rendered out of order, one message object listed
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
+from itertools import chain
 from typing import Any
 
 import jinja2
@@ -37,6 +39,7 @@ _MARK_FILTER = "akvprovenance"
 _GENERATION_FLAG = "add_generation_prompt"
 _NONE = -1
 _REPLY = -2
+_DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
 class ProvenanceError(ValueError):
@@ -96,9 +99,34 @@ def _mark_filter(
     return context.get(_MARK_FN)(value, candidates, loops, reply)
 
 
+class _Environment(ImmutableSandboxedEnvironment):
+    """Transformers' sandbox, with each attribute's safety remembered per (object type, name) (the
+    check reads nothing else), and a plain dict's keys read without first failing an attribute
+    lookup (a dict has no attribute of that name, so the sandbox would subscript it anyway)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._safe: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = self._safe.get(key)
+        if safe is None:
+            safe = self._safe[key] = super().is_safe_attribute(obj, attr, value)
+        return safe
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     """The environment transformers' ``apply_chat_template`` renders with."""
-    env = ImmutableSandboxedEnvironment(
+    env = _Environment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -117,6 +145,7 @@ class ChatTemplate:
         env = _environment()
         self._plain = env.from_string(source)
         tree = env.parse(source)
+        self._rereads_output = _rereads_output(tree)
         _Instrumenter().visit(tree, (), False)
         self._instrumented = env.from_string(tree)
 
@@ -141,7 +170,8 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **variables: Any,
     ) -> OwnedText:
-        """Render once with ownership; checks the result against the plain render."""
+        """Render once with ownership; checks the result against the plain render when the template
+        can read back its own output (only then can the markers have changed it)."""
         index = _identity_index(messages)
         nonce = secrets.token_hex(8)
 
@@ -160,7 +190,8 @@ class ChatTemplate:
             **{_MARK_FN: mark},
         )
         text, char_owners, in_loop = _strip_markers(raw, nonce, len(messages))
-        plain = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+        plain = (self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
+                 if self._rereads_output else text)
         if text != plain:
             at = next((i for i, (a, b) in enumerate(zip(text, plain)) if a != b), min(len(text), len(plain)))
             raise ProvenanceError(
@@ -183,7 +214,8 @@ def token_provenance(owned: OwnedText, tokenizer: Any) -> TokenProvenance:
         raise ProvenanceError(f"tokenizer: {name} gives no character offsets (needs a fast tokenizer)")
     encoding = backend.encode(owned.text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int64)
-    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    pairs = encoding.offsets
+    offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
     owners, boundary = _token_owners(offsets, owned)
     for arr in (ids, offsets, owners, boundary):
         arr.flags.writeable = False
@@ -249,7 +281,10 @@ class _Instrumenter:
 
     def visit(self, node: nodes.Node, scope: tuple[tuple[str, bool], ...], reply: bool) -> None:
         if isinstance(node, nodes.Output):
-            node.nodes = [self._wrap(child, scope, reply) for child in node.nodes]
+            # One marker per output statement: its pieces share the scope, so they share the owner.
+            children = [nodes.Const(c.data) if isinstance(c, nodes.TemplateData) else c for c in node.nodes]
+            if children:
+                node.nodes = [self._wrap(children[0] if len(children) == 1 else nodes.Concat(children), scope, reply)]
             return
         if isinstance(node, nodes.For):
             inner = scope + tuple((name, True) for name in _target_names(node.target))
@@ -281,11 +316,20 @@ class _Instrumenter:
 
     @staticmethod
     def _wrap(child: nodes.Expr, scope: tuple[tuple[str, bool], ...], reply: bool) -> nodes.Expr:
-        if isinstance(child, nodes.TemplateData):
-            child = nodes.Const(child.data)
         candidates = nodes.Tuple([nodes.Name(name, "load") for name, _ in scope], "load")
         loops = nodes.Const(tuple(in_loop for _, in_loop in scope))
         return nodes.Filter(child, _MARK_FILTER, [candidates, loops, nodes.Const(reply)], [], None, None)
+
+
+_CAPTURES = (nodes.Macro, nodes.CallBlock, nodes.AssignBlock, nodes.FilterBlock, nodes.Block, nodes.Extends,
+             nodes.Include, nodes.Import, nodes.FromImport)
+
+
+def _rereads_output(tree: nodes.Template) -> bool:
+    """True when rendered output can become a value again (macros, ``caller()``, ``set`` and
+    ``filter`` blocks, blocks, other templates, recursive loops); otherwise every output goes
+    straight to the result, so the instrumented render without markers is the plain render."""
+    return any(True for _ in tree.find_all(_CAPTURES)) or any(f.recursive for f in tree.find_all(nodes.For))
 
 
 def _requires_generation(test: nodes.Node) -> bool:
@@ -369,8 +413,10 @@ def _settle_owners(char_owners: np.ndarray, in_loop: np.ndarray, text: str, n_me
 
 def _check_rendered_elsewhere(messages: Sequence[Mapping[str, Any]], owners: np.ndarray, text: str) -> None:
     """A later message that owns nothing yet whose content is in the prompt was rendered outside its
-    loop (e.g. folded into the preamble): its text would silently count as another message's."""
-    owning = set(np.unique(owners).tolist())
+    loop (e.g. folded into the preamble): its text would silently count as another message's.
+    ``owners`` is non-decreasing (checked by :func:`_settle_owners`)."""
+    changes = np.flatnonzero(owners[1:] != owners[:-1]) + 1
+    owning = set(owners[:1].tolist()) | set(owners[changes].tolist())
     for i in range(1, len(messages)):
         content = messages[i].get("content")
         if i not in owning and isinstance(content, str) and content and content in text:
