@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from akv.system.adapter import tp_check
+from akv.system.adapter.device import to_device
 from akv.system.adapter.context_request import VISIBLE_ALWAYS, AkvRequest
 from akv.system.cache.plan import CopyJob
 from akv.system.kernels import VisibleUntil, decode_kv_indices, extend_kv_indices
@@ -56,14 +57,7 @@ class VisibilityTable:
 
     def write(self, req_pool_idx: int, state: AkvRequest) -> None:
         row = state.visibility_row(self.table.shape[1])
-        self.table[req_pool_idx + 1] = _to_device(row.astype(np.int32), self.table.device)
-
-
-def _to_device(values: np.ndarray, device: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host array on the device, queued on the current (scheduler) stream without waiting for it:
-    SGLang orders that stream's work after the in-flight forward's reads (its WAR barrier), so the
-    forward being overlapped never sees a context request's next writes."""
-    return torch.from_numpy(np.ascontiguousarray(values)).to(device=device, dtype=dtype, non_blocking=True)
+        self.table[req_pool_idx + 1] = to_device(row.astype(np.int32), self.table.device)
 
 
 def before_alloc(batch: Any) -> None:
@@ -80,7 +74,7 @@ def before_alloc(batch: Any) -> None:
         if first:
             batch.tree_cache.metrics.admitted(state.program, state.active.plan)
         view = state.prefix_view(req.extend_range.start)
-        req.prefix_indices = _to_device(view, batch.device)
+        req.prefix_indices = to_device(view, batch.device)
 
 
 def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
@@ -137,7 +131,7 @@ def for_decode(batch: Any) -> AkvForward | None:
         if not state.terminal_written:
             tokens, slots, job = state.terminal()
             table = batch.req_to_token_pool.req_to_token
-            table[req.req_pool_idx, _to_device(tokens, table.device)] = _to_device(slots, table.device, table.dtype)
+            table[req.req_pool_idx, to_device(tokens, table.device)] = to_device(slots, table.device, table.dtype)
             state.terminal_written = True
             if cache.positions is not None:
                 cache.positions.write_terminal(req.req_pool_idx, state.active.plan.terminal, state.program.n_tokens)
@@ -153,7 +147,7 @@ def for_decode(batch: Any) -> AkvForward | None:
 def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], queries: list[int],
              prefix: list[int], copies: list[CopyJob]) -> AkvForward:
     def dev(values: Any, dtype: torch.dtype) -> torch.Tensor:
-        return _to_device(np.asarray(values, dtype=np.int64), device, dtype)
+        return to_device(np.asarray(values, dtype=np.int64), device, dtype)
 
     tp_check.check_plan(positions, np.asarray(rows), np.asarray(queries), np.asarray(prefix),
                         *(getattr(job, name) for job in copies for name in ("src", "dst", "new_positions")))

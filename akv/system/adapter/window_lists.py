@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from akv.system.adapter.device import to_device
 from akv.system.cache.plan import Segment, TerminalView
 from akv.system.kernels import decode_kv_indices, extend_kv_indices
 from akv.system.kernels.kv_indices import KVIndexLists
@@ -47,18 +48,17 @@ class PositionTable:
     def write_segment(self, req_pool_idx: int, segment: Segment) -> None:
         """Positions a segment's rounds read: its prefix at the stage's positions, then its own."""
         row = self.table[req_pool_idx + 1]
-        row[self._dev(segment.prefix_tokens)] = self._dev(segment.prefix_positions, torch.int32)
-        row[segment.start : segment.end] = self._dev(segment.positions, torch.int32)
+        prefix = to_device(segment.prefix_tokens, row.device, torch.int64)
+        row[prefix] = to_device(segment.prefix_positions, row.device, torch.int32)
+        row[segment.start : segment.end] = to_device(segment.positions, row.device, torch.int32)
 
     def write_terminal(self, req_pool_idx: int, view: TerminalView, n_tokens: int) -> None:
         """The kept prompt at its final positions; generated columns continue at ``next_position``."""
         row = self.table[req_pool_idx + 1]
-        row[self._dev(view.tokens)] = self._dev(view.positions, torch.int32)
+        row[to_device(view.tokens, row.device, torch.int64)] = to_device(view.positions, row.device, torch.int32)
         generated = torch.arange(row.shape[0] - n_tokens, dtype=torch.int32, device=row.device)
         row[n_tokens:] = generated + view.next_position
 
-    def _dev(self, values: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.table.device, dtype)
 
 
 def exact_round_end(key_positions: np.ndarray, query_positions: np.ndarray, window: int) -> int:

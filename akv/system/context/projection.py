@@ -11,15 +11,23 @@ characters that were cut (template tokens and tokens overlapping the kept text s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from akv.system.context.compiler import TokenDrop, merge_spans
+from akv.system.context.compiler import TokenDrop
 from akv.system.context.drop_rule import KeepTextDrop, RequestRules
 from akv.system.context.provenance import TokenProvenance
 from akv.system.context.rules import RuleError, RuleShapeError, parse_rules
-from akv.system.context.spans import Render, SpanError, check_content, content_starts, message_tokens, tokens_inside
+from akv.system.context.spans import (
+    Render,
+    SpanError,
+    check_content,
+    content_starts,
+    message_tokens,
+    one_drop,
+    tokens_inside,
+)
 
 _FINGERPRINT = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id", "name")}
 
@@ -79,8 +87,6 @@ def resolve_keep_text(
 def projection_drops(provenance: TokenProvenance, full: Sequence[Mapping[str, Any]], projection: Projection,
                      render: Render) -> tuple[TokenDrop, ...]:
     """The one drop, after the last full message, hiding all that was not kept."""
-    ranges: list[tuple[int, int]] = []
-    touched = []
     if len(full) != len(projection.kept):
         raise SpanError(f"drop_rule.full_messages: {len(full)} messages rendered, {len(projection.kept)} projected")
     for i, span in enumerate(projection.kept):
@@ -89,23 +95,18 @@ def projection_drops(provenance: TokenProvenance, full: Sequence[Mapping[str, An
     partial = [i for i, span in enumerate(projection.kept)
                if span is not None and span != (0, len(full[i].get("content") or ""))]
     starts = content_starts(render, full, partial, provenance.text)
-    for i, span in enumerate(projection.kept):
-        content = full[i].get("content") or ""
-        if span is None:
-            found = [message_tokens(provenance, i)]
-        elif span == (0, len(content)):
-            continue
-        else:
-            base = starts[i]
-            cut = [(base, base + span[0]), (base + span[1], base + len(content))]
-            found = list(tokens_inside(provenance, cut, i))
-        found = [r for r in found if r[0] < r[1]]
-        if found:
-            touched.append(i)
-            ranges.extend(found)
-    if not ranges:
-        return ()
-    return (TokenDrop(len(full) - 1, tuple(touched), merge_spans(ranges)),)
+
+    def found() -> Iterator[tuple[int, list[tuple[int, int]]]]:
+        for i, span in enumerate(projection.kept):
+            content = full[i].get("content") or ""
+            if span is None:
+                yield i, [message_tokens(provenance, i)]
+            elif span != (0, len(content)):
+                base = starts[i]
+                cut = [(base, base + span[0]), (base + span[1], base + len(content))]
+                yield i, list(tokens_inside(provenance, cut, i))
+
+    return one_drop(len(full) - 1, found())
 
 
 def _fingerprint(message: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,22 +99,30 @@ def tokens_inside(provenance: TokenProvenance, spans: Sequence[tuple[int, int]],
 def text_drops(provenance: TokenProvenance, messages: Sequence[Mapping[str, Any]], rule: TextDrop, render: Render
                ) -> tuple[TokenDrop, ...]:
     """The one drop a ``text_drop`` rule makes (none when it selects no whole token)."""
-    ranges: list[tuple[int, int]] = []
-    touched = []
     for selection in rule.selections:
         check_content(messages[selection.message].get("content"), selection.message, selection.content)
     starts = content_starts(render, messages, [s.message for s in rule.selections if not s.whole], provenance.text)
-    for selection in rule.selections:
-        i = selection.message
-        if selection.whole:
-            found = [message_tokens(provenance, i)]
-        else:
-            base = starts[i]
-            found = list(tokens_inside(provenance, [(base + s, base + e) for s, e in selection.ranges], i))
-        found = [r for r in found if r[0] < r[1]]
-        if found:
-            touched.append(i)
-            ranges.extend(found)
-    if not ranges:
-        return ()
-    return (TokenDrop(rule.anchor, tuple(touched), merge_spans(ranges)),)
+
+    def found() -> Iterator[tuple[int, list[tuple[int, int]]]]:
+        for selection in rule.selections:
+            i = selection.message
+            if selection.whole:
+                yield i, [message_tokens(provenance, i)]
+            else:
+                base = starts[i]
+                yield i, list(tokens_inside(provenance, [(base + s, base + e) for s, e in selection.ranges], i))
+
+    return one_drop(rule.anchor, found())
+
+
+def one_drop(anchor: int, found: Iterable[tuple[int, Sequence[tuple[int, int]]]]) -> tuple[TokenDrop, ...]:
+    """The single drop at ``anchor`` of the token ranges found per message (none when no range holds
+    a token)."""
+    touched: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    for message, spans in found:
+        spans = [r for r in spans if r[0] < r[1]]
+        if spans:
+            touched.append(message)
+            ranges.extend(spans)
+    return (TokenDrop(anchor, tuple(touched), merge_spans(ranges)),) if ranges else ()
