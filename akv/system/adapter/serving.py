@@ -109,6 +109,8 @@ def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> 
         template = _thinking_template(request, serving.tokenizer_manager.tokenizer)
     request.drop_rule = PreparedRules(rules, template)
     return rules
+
+
 def encode_context_program(program: ContextProgram | None) -> bytes | None:
     """The program's wire form for the scheduler (None for a plain request)."""
     return None if program is None else encode_program(program)
