@@ -1,17 +1,24 @@
 """On the H200: decode step time of agent requests whose context is half dropped, patched server vs
 stock SGLang 0.5.16 serving a prompt of only the live tokens (Qwen3-8B-shaped dummy weights, bf16,
-FlashInfer attention, decode CUDA graphs on; each server alone on the GPU, one after the other).
+FlashInfer attention, decode CUDA graphs on), and each server's plain-request throughput.
 
 For each live length L: a tool conversation of about 2L tokens whose every other tool result is
-dropped at the last message (``drop_message``, no reposition) on the patched server; the same
-conversation without those results on stock. One request warms each server's cache, then B
-identical requests decode together (B = 1, 8, 16), streaming ``--tokens`` x max(1, B / 4) tokens
-each; the step time is B over the generation throughput SGLang logs for decode batches of exactly B
-requests (median; the time over the window in which all B streams were decoding is kept beside it). Also
-each server's plain-request output throughput on a burst of 16 distinct prompts, and the attention
-floor at H200 bandwidth (about 30.7 us per 1K live tokens per request per step).
+dropped at the last message (``drop_message``, no reposition) goes to the patched server; the same
+conversation without those results goes to stock. Both servers are up at once (the patched one
+first; stock starts while the patched one prefills its conversations), but only one of them works at
+a time. One request warms each cache, then B identical requests stream together (B = 1, 8, 16)
+until SGLang has logged ``--lines`` decode lines with exactly B requests running, and all are then
+aborted (``/abort_request``), so requests that reach the scheduler staggered (each context request's
+provenance runs before it is sent on) cost no fixed token budget. The step time is B over the
+generation throughput of those lines (median, the first line at B skipped: it spans the ramp); the
+lines' ``cuda graph`` flag is kept beside it. The plain burst is 16 distinct prompts sent at once,
+alternating patched and stock ``--bursts`` times (median output tokens/s each). The attention floor
+at H200 bandwidth is about 30.7 us per 1K live tokens per request per step.
 
-Run by ``tools/gpu/run.sh`` as an ``AKV_BENCH`` script; writes ``$AKV_BENCH_OUT/akv_decode_bench.json``.
+H200 (one device call, carry [".devkit"]):
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_decode_bench.py" DEADLINE_S=585 \\
+        bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
+Writes ``$AKV_BENCH_OUT/akv_decode_bench.json`` after every measurement.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -35,20 +43,36 @@ from transformers import AutoTokenizer
 
 FLOOR_US_PER_1K = 30.7
 GOAL_RATIO = 1.10
+BURST_GOAL = 0.98
+CONTEXT = 262144
 COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "flashinfer",
           "--page-size", "1", "--chunked-prefill-size", "16384", "--cuda-graph-max-bs", "16",
-          "--disable-prefill-cuda-graph", "--enable-cache-report", "--context-length", "262144",
-          "--max-running-requests", "64", "--max-total-tokens", "300000", "--mem-fraction-static", "0.85"]
+          "--disable-prefill-cuda-graph", "--enable-cache-report", "--context-length", str(CONTEXT),
+          "--max-running-requests", "64", "--decode-log-interval", "20"]
+POOLS = {"patched": ["--max-total-tokens", "330000", "--mem-fraction-static", "0.62"],
+         "stock": ["--max-total-tokens", "170000", "--mem-fraction-static", "0.85"]}
+"""Pools for both live lengths' conversations at once (patched: 2L each, stock: L each); the patched
+server profiles an empty GPU, stock what the patched one left."""
+
+_DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*(?:cuda|cpu) graph: (\w+), gen throughput \(token/s\): ([\d.]+)")
 
 
-def stream(url: str, body: dict[str, Any], tokens: int) -> list[float]:
-    """Arrival times of one streamed request's output chunks (one per token at SGLang's default
-    stream interval)."""
+def post(url: str, path: str, body: dict[str, Any], timeout: float = 60) -> Any:
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        raw = response.read()
+    return json.loads(raw) if raw.strip() else None
+
+
+def stream(url: str, body: dict[str, Any], tokens: int, stop: threading.Event | None = None) -> int:
+    """Stream one chat request; the number of output chunks received. An error chunk raises unless
+    ``stop`` is set (the request was aborted on purpose)."""
     full = {"model": "default", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "tools": TOOLS, **body}
     request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(full).encode(),
                                      headers={"Content-Type": "application/json"})
-    stamps = []
+    chunks = 0
     with urllib.request.urlopen(request, timeout=900) as response:
         for raw in response:
             line = raw.decode().strip()
@@ -56,51 +80,59 @@ def stream(url: str, body: dict[str, Any], tokens: int) -> list[float]:
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
+                if stop is not None and stop.is_set():
+                    break
                 raise RuntimeError(f"server error: {json.dumps(chunk)[:400]}")
-            if chunk.get("choices"):
-                stamps.append(time.perf_counter())
-    if len(stamps) < tokens // 2:
-        raise RuntimeError(f"stream gave {len(stamps)} chunks for {tokens} tokens")
-    return stamps
+            chunks += bool(chunk.get("choices"))
+    return chunks
 
 
-def step_time_ms(runs: list[list[float]]) -> float | None:
-    """Median time per decode step while all requests were decoding together: the window from the
-    last request's first chunk to the first request's last one, divided by each request's chunks
-    inside it (None when they never decoded together long enough)."""
-    lo, hi = max(r[0] for r in runs), min(r[-1] for r in runs)
-    per = [(hi - lo) / (sum(lo <= t <= hi for t in r) - 1) for r in runs if sum(lo <= t <= hi for t in r) > 8]
-    return 1e3 * statistics.median(per) if per else None
+def decode_lines(log: Path, offset: int, batch: int) -> list[tuple[float, bool]]:
+    """(step ms, CUDA graph used) of the decode log lines written after ``offset`` with exactly
+    ``batch`` requests running."""
+    return [(1e3 * batch / float(m[3]), m[2] == "True") for m in _DECODE_LINE.finditer(log.read_text()[offset:])
+            if int(m[1]) == batch and float(m[3]) > 0]
 
 
-_DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*gen throughput \(token/s\): ([\d.]+)")
+def wait_idle(url: str, timeout: float = 60) -> None:
+    """Until the server holds no running or waiting request."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with urllib.request.urlopen(f"{url}/get_load", timeout=10) as response:
+            if sum(r["num_reqs"] for r in json.loads(response.read())) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} still busy after {timeout:.0f} s")
 
 
-def logged_step_ms(log: Path, offset: int, batch: int) -> float | None:
-    """Median step time from the server's own decode log lines (one per 40 steps) written after
-    ``offset`` with exactly ``batch`` requests running: ``batch`` / generation throughput."""
-    steps = [1e3 * batch / float(m[2]) for m in _DECODE_LINE.finditer(log.read_text()[offset:])
-             if int(m[1]) == batch and float(m[2]) > 0]
-    return statistics.median(steps) if steps else None
-
-
-def decode_runs(url: str, log: Path, body: dict[str, Any], batches: list[int], tokens: int) -> dict[str, Any]:
+def measure(server: Server, body: dict[str, Any], batch: int, max_tokens: int, lines: int,
+            timeout: float) -> dict[str, Any]:
+    """B identical streams until ``lines`` + 1 decode lines at exactly B are logged, then abort."""
+    offset = len(server.log_path.read_text())
+    stop = threading.Event()
     started = time.perf_counter()
-    stream(url, body, 4)
-    out: dict[str, Any] = {"warm_s": time.perf_counter() - started}
-    for b in batches:
-        offset = len(log.read_text())
-        n = tokens * max(1, b // 4)  # long enough for requests that arrive staggered to decode together
-        with ThreadPoolExecutor(b) as pool:
-            runs = list(pool.map(lambda _: stream(url, body, n), range(b)))
-        out[str(b)] = {"step_ms": logged_step_ms(log, offset, b), "client_step_ms": step_time_ms(runs), "tokens": n}
-        print(f"  B={b}: {out[str(b)]}", flush=True)
-    return out
+    pool = ThreadPoolExecutor(batch)
+    futures = [pool.submit(stream, server.url, body, max_tokens, stop) for _ in range(batch)]
+    while time.perf_counter() - started < timeout and not all(f.done() for f in futures):
+        if len(decode_lines(server.log_path, offset, batch)) > lines:
+            break
+        time.sleep(0.1)
+    stop.set()
+    post(server.url, "/abort_request", {"abort_all": True})
+    try:
+        chunks = [f.result(timeout=60) for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    wait_idle(server.url)
+    seen = decode_lines(server.log_path, offset, batch)[1:]
+    return {"step_ms": statistics.median(ms for ms, _ in seen) if seen else None, "lines": len(seen),
+            "cuda_graph": all(graph for _, graph in seen) if seen else None, "chunks": chunks,
+            "seconds": round(time.perf_counter() - started, 2)}
 
 
-def case(tokenizer: Any, live: int, seed: int) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(patched body, stock body, live prompt tokens) for about ``2 * live`` tokens, every other tool
-    result dropped."""
+def case(tokenizer: Any, live: int, seed: int) -> tuple[dict[str, Any], dict[str, Any], int, int]:
+    """(patched body, stock body, live prompt tokens, all prompt tokens) for about ``2 * live``
+    tokens, every other tool result dropped."""
     conv = Conversation(tokenizer, seed, result_tokens=2000)
     conv.step()
     per_step = len(tokenizer(tokenizer.apply_chat_template(conv.messages, tokenize=False)).input_ids)
@@ -108,30 +140,29 @@ def case(tokenizer: Any, live: int, seed: int) -> tuple[dict[str, Any], dict[str
         conv.step()
     last = len(conv.messages) - 1
     results = [i for i, m in enumerate(conv.messages) if m["role"] == "tool" and i != last]
-    dropped = results[::2]
-    kept = [m for i, m in enumerate(conv.messages) if i not in set(dropped)]
+    dropped = set(results[::2])
+    kept = [m for i, m in enumerate(conv.messages) if i not in dropped]
     n_live = len(tokenizer(tokenizer.apply_chat_template(kept, tokenize=False)).input_ids)
-    return {"messages": conv.messages, "drop_message": {str(last): dropped}}, {"messages": kept}, n_live
+    n_all = len(tokenizer(tokenizer.apply_chat_template(conv.messages, tokenize=False)).input_ids)
+    return ({"messages": conv.messages, "drop_message": {str(last): sorted(dropped)}}, {"messages": kept},
+            n_live, n_all)
 
 
-def burst(url: str, tokenizer: Any, n: int, tokens: int) -> float:
-    """Output tokens per second over ``n`` distinct plain requests sent at once."""
+def burst_bodies(tokenizer: Any, n: int, seed: int) -> list[dict[str, Any]]:
     bodies = []
     for i in range(n):
-        conv = Conversation(tokenizer, 900 + i, result_tokens=1500)
+        conv = Conversation(tokenizer, seed + i, result_tokens=1500)
         conv.step()
         bodies.append({"messages": conv.messages})
+    return bodies
+
+
+def burst(url: str, bodies: list[dict[str, Any]], tokens: int) -> float:
+    """Output tokens per second over distinct plain requests sent at once."""
     started = time.perf_counter()
-    with ThreadPoolExecutor(n) as pool:
-        runs = list(pool.map(lambda body: stream(url, body, tokens), bodies))
-    return sum(map(len, runs)) / (time.perf_counter() - started)
-
-
-def ratio(mine: dict[str, Any], base: dict[str, Any], live: int, batch: int) -> float | None:
-    """Patched over stock step time (server-logged), None where either is missing."""
-    a = mine.get(str(live), {}).get(str(batch), {}).get("step_ms")
-    b = base.get(str(live), {}).get(str(batch), {}).get("step_ms")
-    return a / b if a and b else None
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        chunks = list(pool.map(lambda body: stream(url, body, tokens), bodies))
+    return sum(chunks) / (time.perf_counter() - started)
 
 
 def main() -> int:
@@ -141,7 +172,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "akv_decode_bench.json")
     parser.add_argument("--live", default=os.environ.get("AKV_DECODE_LIVE", "32768 131072"))
     parser.add_argument("--batches", default=os.environ.get("AKV_DECODE_BATCHES", "1 8 16"))
-    parser.add_argument("--tokens", type=int, default=int(os.environ.get("AKV_DECODE_TOKENS", "256")))
+    parser.add_argument("--lines", type=int, default=int(os.environ.get("AKV_DECODE_LINES", "5")),
+                        help="decode log lines (20 steps each) at exactly B per measurement")
+    parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "3")))
     args = parser.parse_args()
     if not (args.stock_site / "sglang").is_dir():
         args.stock_site.mkdir(parents=True, exist_ok=True)
@@ -151,48 +184,83 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     batches = [int(b) for b in args.batches.split()]
     lives = [int(x) for x in args.live.split()]
-    cases = [case(tokenizer, live, 500 + i) for i, live in enumerate(lives)]
-    sides = {
-        "patched": ([sys.executable, "-m", "akv.system.launch_server"], {}),
-        "stock": ([sys.executable, "-m", "sglang.launch_server"], {"PYTHONPATH": str(args.stock_site)}),
-    }
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON, "goal_ratio": GOAL_RATIO,
-                              "floor_us_per_1k_live_tokens": FLOOR_US_PER_1K, "sides": {}}
+    cases = {live: case(tokenizer, live, 500 + i) for i, live in enumerate(lives)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    launchers = {"patched": ([sys.executable, "-m", "akv.system.launch_server"], env),
+                 "stock": ([sys.executable, "-m", "sglang.launch_server"], {**env, "PYTHONPATH": str(args.stock_site)})}
+    servers: dict[str, Server] = {}
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON, "pools": POOLS,
+                              "goal_ratio": GOAL_RATIO, "burst_goal": BURST_GOAL,
+                              "floor_us_per_1k_live_tokens": FLOOR_US_PER_1K,
+                              "cases": {str(live): {"live_prompt_tokens": c[2], "all_prompt_tokens": c[3]}
+                                        for live, c in cases.items()},
+                              "startup_s": {}, "warm_s": {}, "runs": {}}
     started = time.time()
-    try:
-        for side, (launcher, extra_env) in sides.items():  # one at a time: each gets the whole GPU
-            log = args.out.parent / f"server-decode-{side}.log"
-            server = Server(side, [*launcher, "--model-path", str(args.model), *COMMON],
-                            {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}, 30020, log)
-            result: dict[str, Any] = {}
-            try:
-                server.wait(300)
-                result["startup_s"] = round(time.time() - started, 1)
-                for live, (akv_body, stock_body, n_live) in zip(lives, cases):
-                    print(f"{side}: live {live} ({n_live} live prompt tokens)", flush=True)
-                    result[str(live)] = decode_runs(server.url, log, akv_body if side == "patched" else stock_body,
-                                                    batches, args.tokens)
-                result["plain_burst_tokens_per_s"] = burst(server.url, tokenizer, 16, 128)
-            except Exception as exc:  # noqa: BLE001 - keep what was measured
-                result["error"] = f"{type(exc).__name__}: {exc}"
-                print(side, result["error"], flush=True)
-            finally:
-                server.stop()
-            report["sides"][side] = result
-            args.out.write_text(json.dumps(report, indent=2))
-        mine, base = report["sides"]["patched"], report["sides"]["stock"]
-        report["cases"] = {
-            str(live): {"live_prompt_tokens": n_live,
-                        "ratio": {str(b): ratio(mine, base, live, b) for b in batches},
-                        "attention_floor_ms": {str(b): b * n_live / 1000 * FLOOR_US_PER_1K / 1000 for b in batches}}
-            for live, (_, _, n_live) in zip(lives, cases)}
-        if "plain_burst_tokens_per_s" in mine and "plain_burst_tokens_per_s" in base:
-            report["plain_burst_ratio"] = mine["plain_burst_tokens_per_s"] / base["plain_burst_tokens_per_s"]
-        print(json.dumps({k: report.get(k) for k in ("cases", "plain_burst_ratio")}), flush=True)
-    finally:
+
+    def save() -> None:
         report["total_s"] = round(time.time() - started, 1)
         args.out.write_text(json.dumps(report, indent=2))
-    return 0 if all("error" not in r for r in report["sides"].values()) else 1
+
+    def start(side: str, port: int) -> Server:
+        launcher, side_env = launchers[side]
+        return Server(side, [*launcher, "--model-path", str(args.model), *COMMON, *POOLS[side]], side_env, port,
+                      args.out.parent / f"server-decode-{side}.log")
+
+    def warm(side: str) -> None:
+        for live, (akv_body, stock_body, _, _) in cases.items():
+            t0 = time.perf_counter()
+            stream(servers[side].url, akv_body if side == "patched" else stock_body, 4)
+            report["warm_s"][f"{side}/{live}"] = round(time.perf_counter() - t0, 1)
+            print(f"{side}: warm {live} in {report['warm_s'][f'{side}/{live}']} s", flush=True)
+
+    try:
+        servers["patched"] = start("patched", 30020)
+        servers["patched"].wait(420)
+        report["startup_s"]["patched"] = round(time.time() - started, 1)
+        servers["stock"] = start("stock", 30021)
+        warm("patched")
+        servers["stock"].wait(300)
+        report["startup_s"]["stock"] = round(time.time() - started, 1)
+        warm("stock")
+        save()
+        for live, (akv_body, stock_body, _, n_all) in cases.items():
+            max_tokens = CONTEXT - n_all - 64
+            for batch in batches:
+                for side, body in (("patched", akv_body), ("stock", stock_body)):
+                    key = f"{live}/{batch}/{side}"
+                    try:
+                        report["runs"][key] = measure(servers[side], body, batch, max_tokens, args.lines, timeout=120)
+                    except Exception as exc:  # noqa: BLE001 - keep the other measurements
+                        report["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"}
+                    print(key, report["runs"][key], flush=True)
+                    save()
+        rounds: dict[str, list[float]] = {"patched": [], "stock": []}
+        for r in range(args.bursts):
+            bodies = burst_bodies(tokenizer, 16, 900 + 100 * r)  # fresh prompts per round, the same for both
+            for side in rounds:
+                rounds[side].append(burst(servers[side].url, bodies, 128))
+            report["plain_burst_tokens_per_s"] = rounds
+            save()
+        print("burst", rounds, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+        ratios = {}
+        for live, (_, _, n_live, _) in cases.items():
+            for batch in batches:
+                mine = report["runs"].get(f"{live}/{batch}/patched", {}).get("step_ms")
+                base = report["runs"].get(f"{live}/{batch}/stock", {}).get("step_ms")
+                ratios[f"{live}/{batch}"] = {"ratio": mine / base if mine and base else None,
+                                             "patched_ms": mine, "stock_ms": base,
+                                             "attention_floor_ms": batch * n_live / 1000 * FLOOR_US_PER_1K / 1000}
+        report["ratios"] = ratios
+        bursts = report.get("plain_burst_tokens_per_s", {})
+        if bursts.get("patched") and bursts.get("stock"):
+            report["plain_burst_ratio"] = statistics.median(bursts["patched"]) / statistics.median(bursts["stock"])
+        save()
+        print(json.dumps({k: report.get(k) for k in ("ratios", "plain_burst_ratio")}), flush=True)
+    ok = all(r["ratio"] is not None for r in ratios.values()) and "plain_burst_ratio" in report
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ under ``--out``; server logs under ``--logs``. Prints a line per step and per ru
 
 On the H200 (``tools/gpu/replay_suite.sh``, through ``tools/gpu/run.sh``): a Qwen3-8B-shaped
 model with dummy weights and ``max_position_embeddings`` 131,072, bf16, CUDA graphs for decode,
-triton attention (``AKV_REPLAY_BACKEND=flashinfer`` runs both servers on FlashInfer, which the
-patched server takes too).
+FlashInfer attention for both servers (``AKV_REPLAY_BACKEND=triton`` for the second row).
 ``--dry-run``: the same steps on this CPU machine with the tiny random Qwen3, the CPU servers of
 tests/sglang_cpu (stock and patched sites installed from the pinned wheel) and a tiny trajectory set.
 
@@ -21,7 +20,7 @@ AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPL
 (96000,48000: Standard, Text Engineering), AKV_REPLAY_KEEP (12), AKV_REPLAY_TARGET_S (330: the
 suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (420: no run that would
 end later starts), AKV_REPLAY_SERVERS (in-turn | together), AKV_REPLAY_MEM_FRACTION,
-AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (triton) and AKV_REPLAY_AKV_BACKEND (default: the same),
+AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (flashinfer) and AKV_REPLAY_AKV_BACKEND (default: the same),
 AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PRIME (1: measure from the second request of each
 conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
 socket operation), AKV_REPLAY_OUT (default $OUT).
@@ -102,9 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="wall seconds the suite plans for (server starts included)")
     p.add_argument("--deadline-s", type=float, default=float(env("AKV_REPLAY_DEADLINE_S", "420")),
                    help="no run starts after this many seconds")
-    p.add_argument("--backend", default=env("AKV_REPLAY_BACKEND", "triton"), help="attention backend (stock)")
+    p.add_argument("--backend", default=env("AKV_REPLAY_BACKEND", "flashinfer"), help="attention backend (stock)")
     p.add_argument("--akv-backend", default=os.environ.get("AKV_REPLAY_AKV_BACKEND"),
-                   help="attention backend of the patched server (default: --backend; it takes triton only so far)")
+                   help="attention backend of the patched server (default: --backend)")
     p.add_argument("--servers", choices=("in-turn", "together"), default=env("AKV_REPLAY_SERVERS", "in-turn"),
                    help="start stock and patched one after the other (whole GPU each) or both at once (saves one "
                         "startup; each gets --mem-fraction 0.42 and a --pool-tokens cap, as akv_8b_check.py)")
@@ -127,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.dry_run:
         for flag, value in (("concurrency", "1,2"), ("count", 1), ("preset", "tiny"), ("start_turn", 0),
                             ("thresholds", "450,250"), ("keep", 2), ("max_output_tokens", 4), ("target_s", 240.0),
-                            ("deadline_s", 400.0), ("max_turns", 4)):
+                            ("deadline_s", 400.0), ("max_turns", 4), ("backend", "triton")):
             if getattr(args, flag) == p.get_default(flag):
                 setattr(args, flag, value)
         if args.model == p.get_default("model"):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu/replay_suite.sh -- every serving-replay method side by side in one run
 # (tools/gpu/replay_suite.py: stock SGLang 0.5.16 replays the text methods, the patched server AKV,
-# one server at a time, Qwen3-8B shape with dummy weights and a 131,072-token window, triton).
+# one server at a time, Qwen3-8B shape with dummy weights and a 131,072-token window, FlashInfer).
 #
 # H200, one device call from the repository root (carry [".devkit"] made by tools/gpu/prepare.sh,
 # timeout_s 600); about 6 minutes with the defaults:
@@ -13,7 +13,7 @@
 # log.txt, summary.json, bench.tar.gz (server logs), extra.tar.gz (the suite's full log).
 # Knobs: the AKV_REPLAY_* variables in tools/gpu/replay_suite.py's docstring, e.g.
 #   AKV_REPLAY_CONCURRENCY=1,4,8,16,32 AKV_REPLAY_TARGET_S=420 AKV_REPLAY_START_TURN=40
-#   AKV_REPLAY_BACKEND=flashinfer (stock only until the patched server takes it)
+#   AKV_REPLAY_BACKEND=triton (both servers on triton: the second row)
 #
 # CPU dry run (this machine: tiny random Qwen3, CPU servers, a tiny trajectory set, ~5 minutes):
 #
