@@ -176,15 +176,10 @@ def main() -> int:
                         help="decode log lines (20 steps each) at exactly B per measurement")
     parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "3")))
     args = parser.parse_args()
-    if not (args.stock_site / "sglang").is_dir():
-        args.stock_site.mkdir(parents=True, exist_ok=True)
-        subprocess.run(f"xz -T0 -dc {ROOT / '.devkit' / 'site-py312.tar.xz'} | tar -x -C {args.stock_site}",
-                       shell=True, check=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     batches = [int(b) for b in args.batches.split()]
     lives = [int(x) for x in args.live.split()]
-    cases = {live: case(tokenizer, live, 500 + i) for i, live in enumerate(lives)}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     launchers = {"patched": ([sys.executable, "-m", "akv.system.launch_server"], env),
                  "stock": ([sys.executable, "-m", "sglang.launch_server"], {**env, "PYTHONPATH": str(args.stock_site)})}
@@ -192,9 +187,8 @@ def main() -> int:
     report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON, "pools": POOLS,
                               "goal_ratio": GOAL_RATIO, "burst_goal": BURST_GOAL,
                               "floor_us_per_1k_live_tokens": FLOOR_US_PER_1K,
-                              "cases": {str(live): {"live_prompt_tokens": c[2], "all_prompt_tokens": c[3]}
-                                        for live, c in cases.items()},
                               "startup_s": {}, "warm_s": {}, "runs": {}}
+    cases: dict[int, tuple[dict[str, Any], dict[str, Any], int, int]] = {}
     started = time.time()
 
     def save() -> None:
@@ -215,6 +209,12 @@ def main() -> int:
 
     try:
         servers["patched"] = start("patched", 30020)
+        if not (args.stock_site / "sglang").is_dir():  # while it starts: the stock site, the conversations
+            args.stock_site.mkdir(parents=True, exist_ok=True)
+            subprocess.run(f"xz -T0 -dc {ROOT / '.devkit' / 'site-py312.tar.xz'} | tar -x -C {args.stock_site}",
+                           shell=True, check=True)
+        cases.update({live: case(tokenizer, live, 500 + i) for i, live in enumerate(lives)})
+        report["cases"] = {str(live): {"live_prompt_tokens": c[2], "all_prompt_tokens": c[3]} for live, c in cases.items()}
         servers["patched"].wait(420)
         report["startup_s"]["patched"] = round(time.time() - started, 1)
         servers["stock"] = start("stock", 30021)
