@@ -4,21 +4,22 @@ FlashInfer attention, decode CUDA graphs on), and each server's plain-request th
 
 For each live length L: a tool conversation of about 2L tokens whose every other tool result is
 dropped at the last message (``drop_message``, no reposition) goes to the patched server; the same
-conversation without those results goes to stock. Both servers are up at once (the patched one
-first; stock starts while the patched one prefills its conversations), but only one of them works at
-a time. One request warms each cache, then B identical requests stream together (B = 1, 8, 16)
-until SGLang has logged ``--lines`` decode lines with exactly B requests running, and all are then
-aborted (``/abort_request``), so requests that reach the scheduler staggered (each context request's
-provenance runs before it is sent on) cost no fixed token budget. The step time is B over the
-generation throughput of those lines (median, the first line at B skipped: it spans the ramp); the
-lines' ``cuda graph`` flag is kept beside it. The plain burst is 16 distinct prompts sent at once,
-alternating patched and stock ``--bursts`` times (median output tokens/s each). The attention floor
-at H200 bandwidth is about 30.7 us per 1K live tokens per request per step.
+conversation without those results goes to stock. Both servers start together and stay up, but only
+one of them is measured at a time. One request warms each cache, then B identical requests stream
+together (B = 1, 8, 16) until SGLang has logged ``--lines`` + 1 decode lines (20 steps each) with
+exactly B requests running, and all are then aborted (``/abort_request``), so requests that reach the
+scheduler staggered (each context request's provenance runs before it is sent on) cost no fixed token
+budget. The step time is B over the generation throughput of those lines (median, the first line at
+B skipped: it spans the ramp); the lines' ``cuda graph`` flag is kept beside it. The plain burst (after
+the first live length) is 16 distinct prompts sent at once, alternating patched and stock
+``--bursts`` times (median output tokens/s each). The attention floor at H200 bandwidth is about
+30.7 us per 1K live tokens per request per step.
 
 H200 (one device call, carry [".devkit"]):
-    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_decode_bench.py" DEADLINE_S=585 \\
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_decode_bench.py" DEADLINE_S=530 \\
         bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
-Writes ``$AKV_BENCH_OUT/akv_decode_bench.json`` after every measurement.
+Writes ``$AKV_BENCH_OUT/akv_decode_bench.json`` (and a copy in ``$OUT`` where that is set) after every
+measurement.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend"
           "--page-size", "1", "--chunked-prefill-size", "16384", "--cuda-graph-max-bs", "16",
           "--disable-prefill-cuda-graph", "--enable-cache-report", "--context-length", str(CONTEXT),
           "--max-running-requests", "64", "--decode-log-interval", "20"]
-POOLS = {"patched": ["--max-total-tokens", "330000", "--mem-fraction-static", "0.62"],
-         "stock": ["--max-total-tokens", "170000", "--mem-fraction-static", "0.85"]}
-"""Pools for both live lengths' conversations at once (patched: 2L each, stock: L each); the patched
-server profiles an empty GPU, stock what the patched one left."""
+POOLS = {"patched": ["--max-total-tokens", "330000", "--mem-fraction-static", "0.8"],
+         "stock": ["--max-total-tokens", "170000", "--mem-fraction-static", "0.8"]}
+"""Pools for both live lengths' conversations at once (patched: 2L each, stock: L each); both servers
+start together, and each fraction leaves its pool room whichever of them profiles the GPU first."""
 
 _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*(?:cuda|cpu) graph: (\w+), gen throughput \(token/s\): ([\d.]+)")
 
@@ -131,8 +132,8 @@ def measure(server: Server, body: dict[str, Any], batch: int, max_tokens: int, l
 
 
 def case(tokenizer: Any, live: int, seed: int) -> tuple[dict[str, Any], dict[str, Any], int, int]:
-    """(patched body, stock body, live prompt tokens, all prompt tokens) for about ``2 * live``
-    tokens, every other tool result dropped."""
+    """(patched body, stock body, live prompt tokens, all prompt tokens, the tool list included) for
+    about ``2 * live`` tokens, every other tool result dropped."""
     conv = Conversation(tokenizer, seed, result_tokens=2000)
     conv.step()
     per_step = len(tokenizer(tokenizer.apply_chat_template(conv.messages, tokenize=False)).input_ids)
@@ -142,8 +143,8 @@ def case(tokenizer: Any, live: int, seed: int) -> tuple[dict[str, Any], dict[str
     results = [i for i, m in enumerate(conv.messages) if m["role"] == "tool" and i != last]
     dropped = set(results[::2])
     kept = [m for i, m in enumerate(conv.messages) if i not in dropped]
-    n_live = len(tokenizer(tokenizer.apply_chat_template(kept, tokenize=False)).input_ids)
-    n_all = len(tokenizer(tokenizer.apply_chat_template(conv.messages, tokenize=False)).input_ids)
+    n_live, n_all = (len(tokenizer(tokenizer.apply_chat_template(m, tools=TOOLS, tokenize=False)).input_ids)
+                     for m in (kept, conv.messages))
     return ({"messages": conv.messages, "drop_message": {str(last): sorted(dropped)}}, {"messages": kept},
             n_live, n_all)
 
@@ -172,9 +173,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "akv_decode_bench.json")
     parser.add_argument("--live", default=os.environ.get("AKV_DECODE_LIVE", "32768 131072"))
     parser.add_argument("--batches", default=os.environ.get("AKV_DECODE_BATCHES", "1 8 16"))
-    parser.add_argument("--lines", type=int, default=int(os.environ.get("AKV_DECODE_LINES", "5")),
+    parser.add_argument("--lines", type=int, default=int(os.environ.get("AKV_DECODE_LINES", "4")),
                         help="decode log lines (20 steps each) at exactly B per measurement")
-    parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "3")))
+    parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "2")))
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -193,7 +194,8 @@ def main() -> int:
 
     def save() -> None:
         report["total_s"] = round(time.time() - started, 1)
-        args.out.write_text(json.dumps(report, indent=2))
+        for path in (args.out, *([Path(os.environ["OUT"]) / args.out.name] if os.environ.get("OUT") else [])):
+            path.write_text(json.dumps(report, indent=2))
 
     def start(side: str, port: int) -> Server:
         launcher, side_env = launchers[side]
@@ -209,31 +211,34 @@ def main() -> int:
 
     try:
         servers["patched"] = start("patched", 30020)
-        if not (args.stock_site / "sglang").is_dir():  # while it starts: the stock site, the conversations
+        if not (args.stock_site / "sglang").is_dir():
             args.stock_site.mkdir(parents=True, exist_ok=True)
             subprocess.run(f"xz -T0 -dc {ROOT / '.devkit' / 'site-py312.tar.xz'} | tar -x -C {args.stock_site}",
                            shell=True, check=True)
+        servers["stock"] = start("stock", 30021)
         cases.update({live: case(tokenizer, live, 500 + i) for i, live in enumerate(lives)})
         report["cases"] = {str(live): {"live_prompt_tokens": c[2], "all_prompt_tokens": c[3]} for live, c in cases.items()}
-        servers["patched"].wait(420)
-        report["startup_s"]["patched"] = round(time.time() - started, 1)
-        servers["stock"] = start("stock", 30021)
-        warm("patched")
-        servers["stock"].wait(300)
-        report["startup_s"]["stock"] = round(time.time() - started, 1)
-        warm("stock")
+        for side in servers:
+            servers[side].wait(480)
+            report["startup_s"][side] = round(time.time() - started, 1)
+        with ThreadPoolExecutor(2) as pool:  # untimed prefills, both servers at once
+            list(pool.map(warm, servers))
         save()
-        for live, (akv_body, stock_body, _, n_all) in cases.items():
-            max_tokens = CONTEXT - n_all - 64
+
+        def decode(live: int) -> None:
+            akv_body, stock_body, _, n_all = cases[live]
             for batch in batches:
                 for side, body in (("patched", akv_body), ("stock", stock_body)):
                     key = f"{live}/{batch}/{side}"
                     try:
-                        report["runs"][key] = measure(servers[side], body, batch, max_tokens, args.lines, timeout=120)
+                        report["runs"][key] = measure(servers[side], body, batch, CONTEXT - n_all - 256, args.lines,
+                                                      timeout=120)
                     except Exception as exc:  # noqa: BLE001 - keep the other measurements
                         report["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"}
                     print(key, report["runs"][key], flush=True)
                     save()
+
+        decode(lives[0])
         rounds: dict[str, list[float]] = {"patched": [], "stock": []}
         for r in range(args.bursts):
             bodies = burst_bodies(tokenizer, 16, 900 + 100 * r)  # fresh prompts per round, the same for both
@@ -242,6 +247,8 @@ def main() -> int:
             report["plain_burst_tokens_per_s"] = rounds
             save()
         print("burst", rounds, flush=True)
+        for live in lives[1:]:
+            decode(live)
     finally:
         for server in servers.values():
             server.stop()
