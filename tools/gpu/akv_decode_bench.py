@@ -5,10 +5,11 @@ FlashInfer attention, decode CUDA graphs on), and each server's plain-request th
 For each live length L: a tool conversation of about 2L tokens whose every other tool result is
 dropped at the last message (``drop_message``, no reposition) goes to the patched server; the same
 conversation without those results goes to stock. Both servers start together and stay up, but only
-one of them is measured at a time. One request warms each cache, then B identical requests stream
-together (B = 1, 8, 16) until SGLang has logged ``--lines`` + 1 decode lines (20 steps each) with
-exactly B requests running, and all are then aborted (``/abort_request``), so requests that reach the
-scheduler staggered (each context request's provenance runs before it is sent on) cost no fixed token
+one of them is measured at a time. A plain request and one request per live length warm each
+server, then B identical requests stream together (B = 1, 8, 16) until SGLang has logged
+``--lines`` + 1 decode lines (20 steps each) with exactly B requests running, and all are then
+aborted (``/abort_request``), so requests that reach the scheduler staggered (each context request's
+provenance runs before it is sent on) cost no fixed token
 budget. The step time is B over the generation throughput of those lines (median, the first line at
 B skipped: it spans the ramp); the lines' ``cuda graph`` flag is kept beside it. The plain burst (after
 the first live length) is 16 distinct prompts sent at once, alternating patched and stock
@@ -203,6 +204,7 @@ def main() -> int:
                       args.out.parent / f"server-decode-{side}.log")
 
     def warm(side: str) -> None:
+        stream(servers[side].url, burst_bodies(tokenizer, 1, 800)[0], 4)  # a server's first plain chat costs ~10 s once
         for live, (akv_body, stock_body, _, _) in cases.items():
             t0 = time.perf_counter()
             stream(servers[side].url, akv_body if side == "patched" else stock_body, 4)
