@@ -70,6 +70,10 @@ def test_ids_that_do_not_spell_the_text_are_not_read(change: str, chatml_tokeniz
     assert spelled_offsets(chatml_tokenizer, got_ids.astype(np.int64), got_text) is None
 
 
+def test_text_that_is_not_unicode_is_not_read(chatml_tokenizer: Any) -> None:
+    assert spelled_offsets(chatml_tokenizer, np.zeros(0, dtype=np.int64), "\ud800") is None
+
+
 def test_empty_prompt(chatml_tokenizer: Any) -> None:
     got = spelled_offsets(chatml_tokenizer, np.zeros(0, dtype=np.int64), "")
     assert got is not None and got.shape == (0, 2)

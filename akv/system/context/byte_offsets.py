@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 _SPLITTERS = frozenset({"Split", "Digits", "Punctuation", "ByteLevel"})
-_KEPT_POST = frozenset({"ByteLevel", "TemplateProcessing"})  # without added special tokens
+_KEPT_POST = frozenset({"ByteLevel", "TemplateProcessing"})  # add nothing when encoding without special tokens
 
 
 def _byte_of_char() -> dict[int, int]:
@@ -35,7 +35,7 @@ _ALPHABET = frozenset(map(chr, _BYTE_OF_CHAR))
 
 
 @dataclass(frozen=True)
-class ByteVocab:
+class _ByteVocab:
     """The bytes of token id ``i``: ``blob[starts[i]:starts[i] + lengths[i]]`` (length 0: unknown id)."""
 
     blob: np.ndarray
@@ -50,7 +50,7 @@ def spelled_offsets(backend: Any, ids: np.ndarray, text: str) -> np.ndarray | No
     ``backend`` is a ``tokenizers.Tokenizer``; ``ids`` is an int64 vector.
     """
     n_added = len(backend.get_added_tokens_decoder())
-    vocab = byte_vocab(backend, backend.get_vocab_size(with_added_tokens=False), n_added)
+    vocab = _byte_vocab(backend, backend.get_vocab_size(with_added_tokens=False), n_added)
     if vocab is None or (ids.size and (ids.min() < 0 or ids.max() >= vocab.lengths.size)):
         return None
     try:
@@ -72,7 +72,7 @@ def spelled_offsets(backend: Any, ids: np.ndarray, text: str) -> np.ndarray | No
 
 
 @lru_cache(maxsize=8)
-def byte_vocab(backend: Any, n_model: int, n_added: int) -> ByteVocab | None:
+def _byte_vocab(backend: Any, n_model: int, n_added: int) -> _ByteVocab | None:
     """The bytes of every token of ``backend``, None when its pipeline is not one that keeps the text;
     its model and added token counts key the cache, so a tokenizer that gained tokens is read again."""
     added_tokens = backend.get_added_tokens_decoder()
@@ -90,10 +90,11 @@ def byte_vocab(backend: Any, n_model: int, n_added: int) -> ByteVocab | None:
         pieces[i] = content.encode("utf-8").decode("latin-1")  # bytes < 256 the alphabet leaves as they are
     lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=n)
     blob = "".join(pieces).translate(_BYTE_OF_CHAR).encode("latin-1")
-    return ByteVocab(blob=np.frombuffer(blob, dtype=np.uint8), starts=np.cumsum(lengths) - lengths, lengths=lengths)
+    return _ByteVocab(blob=np.frombuffer(blob, dtype=np.uint8), starts=np.cumsum(lengths) - lengths, lengths=lengths)
 
 
 def _keeps_text(backend: Any) -> bool:
+    """True when the pipeline around the BPE model can neither change the text nor trim offsets."""
     model = backend.model
     if type(model).__name__ != "BPE" or model.dropout or model.continuing_subword_prefix or model.end_of_word_suffix:
         return False
