@@ -6,10 +6,12 @@ Run: ``python bench/provenance_offloop.py --out bench/results/provenance_offloop
 - ``convert``: a 3,200-message tool conversation (Qwen3 chat template, the tiny model's tokenizer)
   rendered and encoded the way SGLang's chat handler does (``apply_chat_template(tokenize=False)``
   + ``encode``) against AKV's provenance + compile of the same request with a rolling drop and a
-  periodic reposition (``akv.system.adapter.serving.compile_context_program``); medians, and
-  their ratio. ``of_which_plain_render_check``: the plain render provenance repeats to check its
-  instrumented render (SGLang has just rendered the same text); only templates that can read back
-  their own output (macros, ``set``/``filter``/call blocks) pay it, so not this Qwen3 one.
+  periodic reposition (``akv.system.adapter.serving.compile_context_program``, given SGLang's
+  prompt ids as the serving hook is: with this byte-level BPE tokenizer they are not encoded
+  again); medians, and their ratio. ``of_which_plain_render_check``: the plain render provenance
+  repeats to check its instrumented render (SGLang has just rendered the same text); only
+  templates that can read back their own output (macros, ``set``/``filter``/call blocks) pay it,
+  so not this Qwen3 one.
 - ``http``: the patched server on the CPU (``akv.system.launch_server``, tiny FP32 Qwen3, the
   test-side setup of ``tests/sglang_cpu/site``). A short plain request alone, then the same short
   request sent over and over while the long context request is in the server: the short

@@ -156,6 +156,13 @@ def test_prompt_that_provenance_cannot_reproduce_is_refused(tokenizer) -> None:
         compile_context_program(request, tokenizer, CONVERSATION, TOOLS, {}, tampered)
 
 
+def test_template_variable_named_like_a_render_argument_is_refused(tokenizer) -> None:
+    prompt_ids = _server_prompt_ids(tokenizer)
+    request = _request(messages=CONVERSATION, reposition=[2])
+    with pytest.raises(UnsupportedContextRequest, match=r"chat_template_kwargs\['prompt_ids'\]: collides"):
+        compile_context_program(request, tokenizer, CONVERSATION, TOOLS, {"prompt_ids": [1]}, prompt_ids)
+
+
 # ---------------------------------------------------------------------------- drop_rule ---
 
 QWEN3 = (Path(__file__).parents[1] / "context" / "templates" / "qwen3.jinja").read_text(encoding="utf-8")

@@ -29,7 +29,7 @@ _CONVERTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="akv-convert")
 between two of them, and the event loop keeps serving while one runs."""
 
 _RENDER_ARGUMENTS = frozenset({"tokenizer", "messages", "drop_message", "reposition", "drop_rule", "tools",
-                               "add_generation_prompt", "template"})
+                               "add_generation_prompt", "template", "prompt_ids"})
 _TEMPLATE_KWARG = "chat_template"  # transformers' apply_chat_template takes the template source under this name
 
 _UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
@@ -127,7 +127,8 @@ def compile_context_program(
     """The program of a context request (None for a plain one), from the exact template inputs
     SGLang rendered: its normalised ``messages``, ``tools`` and extra template variables.
 
-    The attributed render must reproduce ``prompt_ids`` token for token, else
+    The attributed render must reproduce ``prompt_ids`` token for token (for a byte-level BPE
+    tokenizer: ``prompt_ids`` must spell it, and are not encoded again), else
     :class:`UnsupportedContextRequest`; template ownership problems raise ``ProvenanceError``.
     """
     prepared = getattr(request, "drop_rule", None)
@@ -149,7 +150,8 @@ def compile_context_program(
             f"({', '.join(sorted(_RENDER_ARGUMENTS | {_TEMPLATE_KWARG}))}); rename the template variable",
             "chat_template_kwargs",
         )
-    compiled = compile_parsed(tokenizer, messages, prepared.rules, tools=tools, template=prepared.template, **variables)
+    compiled = compile_parsed(tokenizer, messages, prepared.rules, tools=tools, template=prepared.template,
+                              prompt_ids=prompt_ids, **variables)
     got = compiled.program.token_ids.tolist()
     expected = got if got == list(prompt_ids) else [int(t) for t in prompt_ids]
     if got != expected:

@@ -6,6 +6,7 @@ Modules (import them directly; this package re-exports nothing, so importing ``p
 - ``drop_rule``: ``parse_request_rules(drop_message, drop_rule, reposition, messages) -> RequestRules``.
 - ``spans`` / ``projection`` / ``thinking``: text, visible-projection and reasoning drops -> token ranges.
 - ``provenance``: ``ChatTemplate.render_owned``, ``token_provenance``, ``prompt_provenance``.
+- ``byte_offsets``: ``spelled_offsets`` (offsets of the server's own token ids, without encoding again).
 - ``compiler``: ``compile_program(token_ids, owners, rules, n_messages)``, ``compile_token_drops``,
   ``append_generated``.
 - ``program``: the immutable ``ContextProgram`` with its ``Event`` and ``Transition`` records.

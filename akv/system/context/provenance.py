@@ -9,11 +9,12 @@ the message loop (e.g. through a macro argument) and the next message. Output ow
 is left unmarked, so templates can test and slice it. The instrumented text, with its markers
 removed, must equal the plain render (rendered to compare only when the template can read back its
 own output: otherwise they are equal by construction), and the text is encoded once, as SGLang does
-(``add_special_tokens=False``). A token takes the owner of its first character; tokens whose
-characters span two owners are reported in ``boundary_tokens``. Anything else that would need a
-guess (unowned text between messages, messages rendered out of order, one message object listed
-twice, a later message's content rendered outside the message loop, markers mangled by a template
-filter) raises :class:`ProvenanceError`.
+(``add_special_tokens=False``), or not at all when the server's ids for it are given and spell it
+(byte-level BPE tokenizers, :mod:`~akv.system.context.byte_offsets`). A token takes the owner of
+its first character; tokens whose characters span two owners are reported in ``boundary_tokens``.
+Anything else that would need a guess (unowned text between messages, messages rendered out of
+order, one message object listed twice, a later message's content rendered outside the message
+loop, markers mangled by a template filter) raises :class:`ProvenanceError`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import numpy as np
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from akv.system.context.byte_offsets import spelled_offsets
 
 _MARK_FN = "akvprovenancemark"
 _MARK_FILTER = "akvprovenance"
@@ -203,19 +206,26 @@ class ChatTemplate:
         return OwnedText(text=text, char_owners=owners, n_messages=len(messages))
 
 
-def token_provenance(owned: OwnedText, tokenizer: Any) -> TokenProvenance:
+def token_provenance(owned: OwnedText, tokenizer: Any, prompt_ids: Sequence[int] | None = None) -> TokenProvenance:
     """Encode ``owned.text`` once (no added special tokens) and give every token its owner.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers fast tokenizer.
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` or a transformers fast tokenizer. ``prompt_ids``, the
+    ids the server encoded its render of the same prompt to, are taken instead of encoding when their
+    bytes spell ``owned.text`` (:func:`~akv.system.context.byte_offsets.spelled_offsets`).
     """
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if not hasattr(backend, "encode") or not hasattr(backend, "get_vocab_size"):
         name = type(tokenizer).__name__
         raise ProvenanceError(f"tokenizer: {name} gives no character offsets (needs a fast tokenizer)")
-    encoding = backend.encode(owned.text, add_special_tokens=False)
-    ids = np.asarray(encoding.ids, dtype=np.int64)
-    pairs = encoding.offsets
-    offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
+    offsets = None
+    if prompt_ids is not None:
+        ids = np.fromiter(prompt_ids, dtype=np.int64, count=len(prompt_ids))
+        offsets = spelled_offsets(backend, ids, owned.text)
+    if offsets is None:
+        encoding = backend.encode(owned.text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        pairs = encoding.offsets
+        offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
     owners, boundary = _token_owners(offsets, owned)
     for arr in (ids, offsets, owners, boundary):
         arr.flags.writeable = False
@@ -235,12 +245,14 @@ def prompt_provenance(
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     template: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
     **variables: Any,
 ) -> TokenProvenance:
     """Render and encode a request the way SGLang does with a transformers fast tokenizer.
 
     Uses ``template`` or the tokenizer's ``chat_template``; template variables are the tokenizer's
     special tokens overridden by ``variables`` (e.g. ``chat_template_kwargs``), as transformers does.
+    ``prompt_ids``: the server's own encoding of the render, if known (see :func:`token_provenance`).
     """
     source = template if template is not None else getattr(tokenizer, "chat_template", None)
     if not isinstance(source, str):
@@ -249,7 +261,7 @@ def prompt_provenance(
     owned = chat_template(source).render_owned(
         messages, tools=tools, add_generation_prompt=add_generation_prompt, **context
     )
-    return token_provenance(owned, tokenizer)
+    return token_provenance(owned, tokenizer, prompt_ids)
 
 
 def _identity_index(messages: Sequence[Mapping[str, Any]]) -> dict[int, int]:

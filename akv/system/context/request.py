@@ -96,15 +96,17 @@ def compile_parsed(
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     template: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
     **template_variables: Any,
 ) -> CompiledRequest:
-    """Render ``messages`` (what :func:`render_inputs` chose) with provenance and compile ``rules``."""
+    """Render ``messages`` (what :func:`render_inputs` chose) with provenance and compile ``rules``;
+    ``prompt_ids`` is the server's own encoding of that render, if known (it is then not encoded again)."""
     source = template if template is not None else getattr(tokenizer, "chat_template", None)
     if isinstance(source, str):
         source = template_for(rules, source)
     provenance = prompt_provenance(
         tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt, template=source,
-        **template_variables,
+        prompt_ids=prompt_ids, **template_variables,
     )
     context = {**getattr(tokenizer, "special_tokens_map", {}), **template_variables}
 
