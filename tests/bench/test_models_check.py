@@ -39,3 +39,24 @@ def test_dry_run_serves_both_tiny_models_like_the_reference_server(tmp_path: Pat
         details = [r["usage"]["prompt_tokens_details"] for r in context]
         assert all(d["drop_skipped_tokens"] > 0 for d in details) and any(d["repos_tokens"] > 0 for d in details)
     assert {report["parts"][n]["skipped"] for n in ("gpt_oss_20b", "minimax_dummy")} == {"dry run: H200 only"}
+
+
+def test_parts_are_skipped_past_the_deadline_or_unasked_and_every_part_is_written_at_once(tmp_path: Path) -> None:
+    args = akv_models_check.parse_args(["--out", str(tmp_path), "--deadline-s", "100",
+                                        "--parts", "gpt_oss_tiny,minimax_tiny"])
+    run = akv_models_check.Run(args)
+    seen = []
+
+    def check() -> dict:
+        seen.append(json.loads((tmp_path / "akv_models_check.json").read_text())["parts"]["gpt_oss_tiny"])
+        raise RuntimeError("server exited")
+
+    run.part("gpt_oss_tiny", check, need_s=10)
+    run.part("minimax_tiny", lambda: {"ok": True}, need_s=1000)
+    run.part("gpt_oss_20b", lambda: {"ok": True}, need_s=0)
+    parts = json.loads((tmp_path / "akv_models_check.json").read_text())["parts"]
+    assert seen[0]["ok"] is None and seen[0]["cut"].startswith("started at")  # a cut run says where it stopped
+    assert parts["gpt_oss_tiny"]["ok"] is False and "server exited" in parts["gpt_oss_tiny"]["error"]
+    assert parts["minimax_tiny"] == {"ok": None, "skipped": parts["minimax_tiny"]["skipped"]}
+    assert parts["minimax_tiny"]["skipped"].startswith("needs ~1000 s")
+    assert parts["gpt_oss_20b"] == {"ok": None, "skipped": "not in --parts"}

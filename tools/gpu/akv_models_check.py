@@ -25,9 +25,13 @@ The models are made here (``akv.system.models``) from the PyPI-file cache carrie
 gives the same bytes). The servers of parts 1-3 start together at the beginning (the tiny ones
 without CUDA graphs, the big ones with decode graphs up to batch 4 unless AKV_MODELS_BIG_GRAPHS=0);
 part 4's start once part 3's are stopped. A part that would not end before the deadline
-(AKV_MODELS_DEADLINE_S, default 480 s from the start) is skipped and says so.
+(AKV_MODELS_DEADLINE_S, default 470 s from the start) is skipped and says so.
 
-Device call (carry [".devkit"], timeout_s 600; ~9 minutes)::
+Device call (carry [".devkit"] after tools/gpu/prepare.sh or model_cache.sh; timeout_s 600; ~9
+minutes: run.sh's install and import check ~70 s, then this script: servers of parts 1-3 start at
++10-30 s; part 1 ends ~+130 s, part 2 ~+150 s, part 3 ~+250 s; part 4 starts only with 200 s left
+and its FP8 pair is the likeliest to be cut by the deadline; knobs AKV_MODELS_PARTS=gpt_oss_tiny,...
+and AKV_MODELS_BIG_GRAPHS=0)::
 
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_models_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 
@@ -92,7 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", "models-check-out")))
     p.add_argument("--work", type=Path, default=Path("/tmp/akv-models-check"),
                    help="models (and with --dry-run the CPU sites) are made here")
-    p.add_argument("--deadline-s", type=float, default=float(os.environ.get("AKV_MODELS_DEADLINE_S", "480")))
+    p.add_argument("--deadline-s", type=float, default=float(os.environ.get("AKV_MODELS_DEADLINE_S", "470")))
     p.add_argument("--ready-timeout", type=float, default=420.0)
     p.add_argument("--parts", default=os.environ.get("AKV_MODELS_PARTS", ",".join(ESTIMATE_S)),
                    help="comma-separated parts to run (default all); the others are skipped")
@@ -146,10 +150,12 @@ class Run:
         return server
 
     def stop(self, *names: str) -> None:
-        for name in names:
-            server = self.servers.pop(name, None)
-            if server is not None:
-                server.stop()
+        """Stop these servers, all at once (each waits for its whole process group to end)."""
+        stopping = [threading.Thread(target=self.servers.pop(name).stop) for name in names if name in self.servers]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
 
     def part(self, name: str, check: Callable[[], dict[str, Any]], need_s: float | None = None) -> None:
         """Run ``check`` unless it is not asked for or would need more than the time left (``need_s``,
@@ -174,22 +180,22 @@ class Run:
         self.write()
 
 
-def make_models(folder: Path, dry_run: bool) -> dict[str, Path]:
-    """The four model folders (two tiny with weights, two config-only) from the carried cache."""
+def make_models(folder: Path, names: tuple[str, ...], dry_run: bool) -> dict[str, Path]:
+    """Model folders (the tiny ones with weights, the big ones config-only) from the carried cache."""
     from akv.system.models.gpt_oss import make_gpt_oss_model
     from akv.system.models.minimax_m2 import make_minimax_m2_dummy, make_minimax_m2_tiny
 
     cache = ROOT / ".devkit" / "models-cache"
     if cache.is_dir() and not os.environ.get("AKV_CACHE_DIR"):
         os.environ["AKV_CACHE_DIR"] = str(cache)
-    models = {"gpt_oss_tiny": make_gpt_oss_model(folder / "gpt-oss-tiny", dtype="bfloat16", seed=0),
-              "minimax_tiny": make_minimax_m2_tiny(folder / "minimax-m2-tiny", dtype="bfloat16", seed=0)}
+    makers = {"gpt_oss_tiny": lambda: make_gpt_oss_model(folder / "gpt-oss-tiny", dtype="bfloat16", seed=0),
+              "minimax_tiny": lambda: make_minimax_m2_tiny(folder / "minimax-m2-tiny", dtype="bfloat16", seed=0),
+              "gpt_oss_20b": lambda: make_gpt_oss_model(folder / "gpt-oss-20b", shape="20b", weights=False),
+              "minimax_dummy": lambda: make_minimax_m2_dummy(folder / "minimax-m2-dummy")}
+    models = {name: makers[name]() for name in names}
     if dry_run:
-        for folder in models.values():
-            _as_float32(folder)
-    else:
-        models["gpt_oss_20b"] = make_gpt_oss_model(folder / "gpt-oss-20b", shape="20b", weights=False)
-        models["minimax_dummy"] = make_minimax_m2_dummy(folder / "minimax-m2-dummy")
+        for path in models.values():
+            _as_float32(path)
     return models
 
 
@@ -264,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             unpack = threading.Thread(target=server_process.unpack_stock_site, args=(stock_site,))
             unpack.start()
             patched_env, tiny_flags = {**base, "PYTHONPATH": os.environ["PYTHONPATH"]}, GPU_TINY
-        models = make_models(args.work / "models", args.dry_run)
-        run.report["models"] = {k: json.loads((v / "config.json").read_text()) for k, v in models.items()}
-        run.log(f"models made in {args.work / 'models'}")
+        models = make_models(args.work / "models", ("gpt_oss_tiny", "minimax_tiny"), args.dry_run)
         port = (lambda k: server_process.free_port()) if args.dry_run else (lambda k: 30020 + k)
         patched = "akv.system.launch_server"
         for k, (name, parsers) in enumerate((("gpt_oss_tiny", "gpt-oss"), ("minimax_tiny", "minimax"))):
@@ -283,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                        port(k + 1))
 
         if not args.dry_run:
+            models.update(make_models(args.work / "models", ("gpt_oss_20b", "minimax_dummy"), False))
             unpack.join()
             if "gpt_oss_20b" in args.parts:
                 launch_big("gpt_oss_20b", PARSERS["gpt-oss"], 2)
+        run.report["models"] = {k: json.loads((v / "config.json").read_text()) for k, v in models.items()}
         run.write()
         run.part("gpt_oss_tiny", lambda: check_tiny(run, "gpt_oss_tiny", models["gpt_oss_tiny"]))
         run.part("minimax_tiny", lambda: check_tiny(run, "minimax_tiny", models["minimax_tiny"]))
