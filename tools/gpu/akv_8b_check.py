@@ -175,10 +175,7 @@ def main() -> int:
     parser.add_argument("--py-spy", default=os.environ.get("AKV_PY_SPY"),
                         help="py-spy binary: record the patched server's processes during the TTFT trials")
     args = parser.parse_args()
-    if not (args.stock_site / "sglang").is_dir():
-        args.stock_site.mkdir(parents=True, exist_ok=True)
-        subprocess.run(f"xz -T0 -dc {ROOT / '.devkit' / 'site-py312.tar.xz'} | tar -x -C {args.stock_site}",
-                       shell=True, check=True)
+    server_process.unpack_stock_site(args.stock_site)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     patched_env = {**base_env, "PYTHONPATH": os.environ["PYTHONPATH"]}

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +40,21 @@ def result(i: int, words: int) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": f"call_{i}", "content": f"record R-{i}: {body}; next R-{i + 1}"}
 
 
-def requests() -> list[tuple[str, dict[str, Any]]]:
-    """(name, body) in serving order: an agent's turns, plain first, then with cache operations."""
+DEFAULT_WORDS = tuple(40 + 13 * turn for turn in range(8))
+
+
+def requests(words: Sequence[int] = DEFAULT_WORDS) -> list[tuple[str, dict[str, Any]]]:
+    """(name, body) in serving order: an agent's turns (turn t's tool result has ``words[t]``
+    fields), plain first, then with cache operations: from turn 2 each turn drops the result of two
+    turns before, from turn 3 every odd turn repositions after the drops; a probe after each turn."""
     system = {"role": "system", "content": "You follow chains of records with the read_record tool."}
     task = {"role": "user", "content": "Start at R-0 and follow the chain to its end."}
     history = [system, task]
     out: list[tuple[str, dict[str, Any]]] = []
     drops: dict[str, list[int]] = {}
     repositions: list[int] = []
-    for turn in range(8):
-        history = history + [call(turn), result(turn, 40 + 13 * turn)]
+    for turn, n_words in enumerate(words):
+        history = history + [call(turn), result(turn, n_words)]
         anchor = len(history) - 1
         if turn >= 2:
             drops[str(anchor)] = [anchor - 4]
@@ -75,11 +81,11 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
-def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
-    """Log-prob error over the common prefix of generated tokens, and the reference's margin at the
-    first differing token (None when all agree)."""
-    mine = got["choices"][0]["logprobs"]["content"]
-    ref = want["choices"][0]["logprobs"]["content"]
+def compare(got: dict[str, Any], want: dict[str, Any], tokens: int | None = None) -> dict[str, Any]:
+    """Log-prob error over the common prefix of the first ``tokens`` (default all) generated tokens,
+    and the reference's margin at the first differing token (None when all agree)."""
+    mine = got["choices"][0]["logprobs"]["content"][:tokens]
+    ref = want["choices"][0]["logprobs"]["content"][:tokens]
     error, margin_at_split, agree = 0.0, None, 0
     for a, b in zip(mine, ref):
         error = max(error, abs(a["logprob"] - b["logprob"]))
@@ -88,27 +94,28 @@ def compare(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
             margin_at_split = top[0] - top[1] if len(top) > 1 else float("inf")
             break
         agree += 1
-    return {"error": error, "agree": agree, "n": len(ref), "margin_at_split": margin_at_split,
-            "usage": got["usage"], "reference_usage": want["usage"]}
+    first = abs(mine[0]["logprob"] - ref[0]["logprob"]) if mine and ref else None
+    return {"error": error, "first_token_error": first, "agree": agree, "n": len(ref),
+            "margin_at_split": margin_at_split, "usage": got["usage"], "reference_usage": want["usage"]}
 
 
-def main() -> int:
-    url = os.environ["SGLANG_BASE_URL"]
-    model = Path(os.environ["AKV_TINY_MODEL"])
-    out_dir = Path(os.environ.get("AKV_BENCH_OUT", "."))
-    reference = ReferenceServer(Engine(model, name="default", kv_slots=16384))
-    reference.start_in_background()
+def serve_pairs(url: str, reference_url: str, bodies: list[tuple[str, dict[str, Any]]],
+                log: Callable[[str], None] = print, plain_tokens: int | None = None) -> dict[str, dict[str, Any]]:
+    """Each request to the server under test and to the reference; a row of :func:`compare` per name
+    (plain requests compared on their first ``plain_tokens`` tokens only, where given)."""
     rows = {}
-    started = time.time()
-    try:
-        for name, body in requests():
-            rows[name] = compare(post(url, body), post(reference.url, body))
-            print(f"{name}: {rows[name]['error']:.3f} agree {rows[name]['agree']}/{rows[name]['n']}", flush=True)
-    finally:
-        reference.shutdown()
-        reference.server_close()
+    for name, body in bodies:
+        rows[name] = compare(post(url, body), post(reference_url, body),
+                             plain_tokens if name.startswith("plain") else None)
+        log(f"{name}: {rows[name]['error']:.3f} agree {rows[name]['agree']}/{rows[name]['n']}")
+    return rows
+
+
+def verdict(rows: dict[str, dict[str, Any]], floor: float = 0.0) -> dict[str, Any]:
+    """The plain requests' largest log-prob error, the bound it sets for the rest (never below
+    ``floor``: a CPU dry run in FP32 has noise-level errors only), and every failure."""
     plain_error = max(r["error"] for n, r in rows.items() if n.startswith("plain"))
-    bound = RATIO * plain_error
+    bound = max(RATIO * plain_error, floor)
     failures = []
     for name, row in rows.items():
         if name.startswith("context") and row["error"] > bound:
@@ -121,13 +128,28 @@ def main() -> int:
             failures.append(f"{name}: usage {got} != reference {want}")
         if row["usage"]["prompt_tokens"] != row["reference_usage"]["prompt_tokens"]:
             failures.append(f"{name}: prompt_tokens differ")
+    return {"plain_max_logprob_error": plain_error, "bound": bound, "failures": failures}
+
+
+def main() -> int:
+    url = os.environ["SGLANG_BASE_URL"]
+    model = Path(os.environ["AKV_TINY_MODEL"])
+    out_dir = Path(os.environ.get("AKV_BENCH_OUT", "."))
+    reference = ReferenceServer(Engine(model, name="default", kv_slots=16384))
+    reference.start_in_background()
+    started = time.time()
+    try:
+        rows = serve_pairs(url, reference.url, requests(), lambda line: print(line, flush=True))
+    finally:
+        reference.shutdown()
+        reference.server_close()
+    result = verdict(rows)
     report = {"command": "tools/gpu/akv_served_check.py (run by tools/gpu/run.sh with AKV_BENCH_LIVE)",
-              "plain_max_logprob_error": plain_error, "bound": bound, "requests": rows, "failures": failures,
-              "seconds": round(time.time() - started, 1)}
+              **result, "requests": rows, "seconds": round(time.time() - started, 1)}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "akv_served_check.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: report[k] for k in ("plain_max_logprob_error", "bound", "failures")}, indent=2))
-    return 1 if failures else 0
+    print(json.dumps(result, indent=2))
+    return 1 if result["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #   .devkit/overlay/sglang/...               the files the AKV build changes, from the patched
 #                                            cp312 wheel (python -m akv.system._build), copied over
 #                                            the extracted site on the device
+#   .devkit/models-cache/...                 the PyPI files the gpt-oss / MiniMax-M2 makers read
+#                                            (tools/gpu/model_cache.sh, ~3.5 MiB)
 # and checks that everything a device call carries stays under the 64 MiB limit.
 #
 # Knobs: DEVICEKIT (default /work/shared/devicekit, else ../shared/devicekit), FORCE_WHEELHOUSE=1,
@@ -47,6 +49,9 @@ step "patched sglang wheel for cp312 -> overlay"
 rm -rf "$KIT/overlay"
 python3 -m akv.system._build --out "$AKV_DIST" --python-tag cp312 --overlay-out "$KIT/overlay"
 find "$KIT/overlay" -type f | sed "s|^$KIT/|    |"
+
+step "model makers' PyPI files -> .devkit/models-cache"
+bash "$ROOT/tools/gpu/model_cache.sh"
 
 step "sizes"
 kit_bytes=$(du -sb "$KIT" | cut -f1)

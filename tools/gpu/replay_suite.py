@@ -36,7 +36,6 @@ import os
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
 from bench import serve_replay  # noqa: E402
+import server_process  # noqa: E402
 from server_process import Server  # noqa: E402
 from bench.agent_replay.methods import FullContext  # noqa: E402
 from bench.agent_replay.serve import prepare, replay  # noqa: E402
@@ -189,33 +189,14 @@ def make_model(args: argparse.Namespace) -> None:
                     **{**QWEN3_8B_SHAPE, "max_position_embeddings": 131_072})
 
 
-def pip_target(wheel: Path, target: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--upgrade",
-                    "--target", str(target), str(wheel)], check=True)
-
-
 def make_sites(args: argparse.Namespace) -> None:
     """The stock site (unpacked from the carried archive on the H200; with --dry-run installed from
     the pinned wheel) and with --dry-run the patched one, rebuilt when the patch changes."""
     if not args.dry_run:
-        if not (args.stock_site / "sglang").is_dir():
-            args.stock_site.mkdir(parents=True, exist_ok=True)
-            subprocess.run(f"xz -T0 -dc {shlex.quote(str(ROOT / '.devkit' / 'site-py312.tar.xz'))} | "
-                           f"tar -x -C {shlex.quote(str(args.stock_site))}", shell=True, check=True)
+        server_process.unpack_stock_site(args.stock_site)
         return
-    from akv.system import _build
-
-    tag = _build.python_tag()
-    if not (args.stock_site / "sglang").is_dir():
-        pip_target(_build.fetch_stock_wheel(tag, _build.default_cache_dir()), args.stock_site)
-    wheel = _build.build(args.work / "dist", tag).wheel
-    patched = args.patched_site or args.work / "patched-site"
-    stamp = patched / ".akv-wheel-sha256"
-    digest = _build.sha256_file(wheel)
-    if not stamp.exists() or stamp.read_text() != digest:
-        pip_target(wheel, patched)
-        stamp.write_text(digest)
-    args.patched_site = patched
+    server_process.cpu_stock_site(args.stock_site)
+    args.patched_site = server_process.cpu_patched_site(args.work, args.patched_site)
 
 
 def servers(args: argparse.Namespace) -> list[Server]:

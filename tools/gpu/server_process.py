@@ -1,18 +1,67 @@
 """An SGLang server as a child process of its own process group, for the GPU scripts and their CPU
-dry runs: started, waited on through ``/health``, stopped with everything it spawned."""
+dry runs: started, waited on through ``/health``, stopped with everything it spawned; and the
+SGLang sites they run on (stock from the carried archive, CPU sites from the pinned wheel)."""
 
 from __future__ import annotations
 
 import os
 import shlex
 import signal
+import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1 (for CPU dry runs on a shared machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unpack_stock_site(target: Path) -> Path:
+    """Stock SGLang 0.5.16 in ``target``: the carried site archive unpacked without the AKV overlay
+    (on the H200; done once)."""
+    if not (target / "sglang").is_dir():
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run(f"xz -T0 -dc {shlex.quote(str(ROOT / '.devkit' / 'site-py312.tar.xz'))} | "
+                       f"tar -x -C {shlex.quote(str(target))}", shell=True, check=True)
+    return target
+
+
+def pip_target(wheel: Path, target: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--upgrade",
+                    "--target", str(target), str(wheel)], check=True)
+
+
+def cpu_stock_site(target: Path) -> Path:
+    """Stock SGLang in ``target``, installed from the pinned wheel for this interpreter (CPU dry runs)."""
+    from akv.system import _build
+
+    if not (target / "sglang").is_dir():
+        pip_target(_build.fetch_stock_wheel(_build.python_tag(), _build.default_cache_dir()), target)
+    return target
+
+
+def cpu_patched_site(work: Path, target: Path | None = None) -> Path:
+    """The patched SGLang for this interpreter in ``target`` (default ``work/patched-site``), built in
+    ``work/dist`` and reinstalled when the patch changes (CPU dry runs)."""
+    from akv.system import _build
+
+    wheel = _build.build(work / "dist", _build.python_tag()).wheel
+    patched = target or work / "patched-site"
+    stamp = patched / ".akv-wheel-sha256"
+    digest = _build.sha256_file(wheel)
+    if not stamp.exists() or stamp.read_text() != digest:
+        pip_target(wheel, patched)
+        stamp.write_text(digest)
+    return patched
 
 
 @dataclass

@@ -8,12 +8,14 @@ from pathlib import Path
 import torch
 
 from akv.system.reference.gpt_oss import GptOssReferenceModel
+from akv.system.reference.minimax_m2 import MiniMaxM2Model
 from akv.system.reference.model import ReferenceModel
 
 
 def load_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -> ReferenceModel | GptOssReferenceModel:
-    """:class:`GptOssReferenceModel` for ``GptOssForCausalLM``, else :class:`ReferenceModel` (which
-    reports an unreadable or unsupported config itself)."""
+    """:class:`GptOssReferenceModel` for ``GptOssForCausalLM``, :class:`MiniMaxM2Model` for
+    ``MiniMaxM2ForCausalLM``, else :class:`ReferenceModel` (which reports an unreadable or
+    unsupported config itself)."""
     root = Path(path)
     try:
         architectures = json.loads((root / "config.json").read_text(encoding="utf-8")).get("architectures")
@@ -21,4 +23,6 @@ def load_reference_model(path: str | Path, dtype: torch.dtype = torch.float32) -
         architectures = None
     if architectures == ["GptOssForCausalLM"]:
         return GptOssReferenceModel.from_pretrained(root, dtype)
+    if architectures == ["MiniMaxM2ForCausalLM"]:
+        return MiniMaxM2Model.from_pretrained(root, dtype)
     return ReferenceModel.from_pretrained(root, dtype)

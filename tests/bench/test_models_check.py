@@ -1,0 +1,62 @@
+"""tools/gpu/akv_models_check.py's CPU dry run end to end (slow): gpt-oss-tiny and minimax-m2-tiny
+on the patched CPU server (FP32) against the exact reference server, with drops and repositions."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+import akv_models_check  # noqa: E402
+
+
+@pytest.mark.slow
+def test_dry_run_serves_both_tiny_models_like_the_reference_server(tmp_path: Path) -> None:
+    try:
+        from akv.system.models.gpt_oss import chat_template
+        from akv.system.models.minimax_m2 import TEMPLATE_NAME
+        from akv.system.models.pypi_files import FetchError
+        from akv.system.models.sdist_templates import TemplateFetchError, official_template
+
+        chat_template()
+        official_template(TEMPLATE_NAME)
+    except (FetchError, TemplateFetchError) as exc:
+        pytest.skip(f"model maker files not cached and not downloadable: {exc}")
+    out = tmp_path / "out"
+    assert akv_models_check.main(["--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
+    report = json.loads((out / "akv_models_check.json").read_text())
+    for name in ("gpt_oss_tiny", "minimax_tiny"):
+        part = report["parts"][name]
+        assert part["ok"] and part["failures"] == [], (name, part)
+        rows = part["requests"]
+        context = [r for n, r in rows.items() if n.startswith("context")]
+        assert len(context) == 6 and len(rows) == 16, name
+        assert all(r["agree"] == r["n"] for r in rows.values()), name  # FP32: every token as the reference's
+        details = [r["usage"]["prompt_tokens_details"] for r in context]
+        assert all(d["drop_skipped_tokens"] > 0 for d in details) and any(d["repos_tokens"] > 0 for d in details)
+    assert {report["parts"][n]["skipped"] for n in ("gpt_oss_20b", "minimax_dummy")} == {"dry run: H200 only"}
+
+
+def test_parts_are_skipped_past_the_deadline_or_unasked_and_every_part_is_written_at_once(tmp_path: Path) -> None:
+    args = akv_models_check.parse_args(["--out", str(tmp_path), "--deadline-s", "100",
+                                        "--parts", "gpt_oss_tiny,minimax_tiny"])
+    run = akv_models_check.Run(args)
+    seen = []
+
+    def check() -> dict:
+        seen.append(json.loads((tmp_path / "akv_models_check.json").read_text())["parts"]["gpt_oss_tiny"])
+        raise RuntimeError("server exited")
+
+    run.part("gpt_oss_tiny", check, need_s=10)
+    run.part("minimax_tiny", lambda: {"ok": True}, need_s=1000)
+    run.part("gpt_oss_20b", lambda: {"ok": True}, need_s=0)
+    parts = json.loads((tmp_path / "akv_models_check.json").read_text())["parts"]
+    assert seen[0]["ok"] is None and seen[0]["cut"].startswith("started at")  # a cut run says where it stopped
+    assert parts["gpt_oss_tiny"]["ok"] is False and "server exited" in parts["gpt_oss_tiny"]["error"]
+    assert parts["minimax_tiny"] == {"ok": None, "skipped": parts["minimax_tiny"]["skipped"]}
+    assert parts["minimax_tiny"]["skipped"].startswith("needs ~1000 s")
+    assert parts["gpt_oss_20b"] == {"ok": None, "skipped": "not in --parts"}

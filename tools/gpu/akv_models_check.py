@@ -1,0 +1,318 @@
+"""On the H200: the gpt-oss and MiniMax-M2 families on the patched server (issues #14, #15), in
+order of priority, each part written to ``$AKV_BENCH_OUT/akv_models_check.json`` as it ends:
+
+1. ``gpt_oss_tiny``: gpt-oss-tiny (bf16 weights, sliding window 128 on even layers, sinks, YaRN,
+   MoE) on the patched server (bf16, triton, ``--reasoning-parser gpt-oss --tool-call-parser
+   gpt-oss``, no CUDA graphs) against the exact reference server (FP32, same weights file), with
+   akv_served_check.py's requests and bounds: context requests' log-prob error within 1.5x the
+   plain requests', tokens equal wherever the reference's top-2 margin exceeds it, usage equal.
+   Plain requests are compared on their first token only: stock SGLang's triton decode reads one
+   sliding-window key fewer than the contract (sgl-project/sglang#32087), AKV's context requests not.
+   Tool results of 30/30/3/3/30/3/3/30 fields (~130 or ~25 tokens): the drops of turns 3 and 6
+   lie inside the generation prompt's window, the others outside it (inside the window of the
+   first queries after them); turns 3, 5, 7 reposition after drops.
+2. ``minimax_tiny``: the same for minimax-m2-tiny (``--tool-call-parser minimax-m2
+   --reasoning-parser minimax-append-think``, MiniMax's SGLang guide).
+3. ``gpt_oss_20b``: the 20b shape, ``--load-format dummy``, bf16: patched and stock 0.5.16 (both
+   with ``--disable-hybrid-swa-memory``) at once; akv_8b_check.py's checks: plain requests
+   token-identical to stock, a 10-turn tool conversation with drops and repositions that reports
+   the AKV usage counters on every context turn, and the exact-equivalence case.
+4. ``minimax_dummy``: the same for the 62-layer, 64-expert MiniMax-M2 shape in FP8 (the maker's
+   default; bf16 would need ~112 GB per server), both servers at once with small KV pools.
+
+The models are made here (``akv.system.models``) from the PyPI-file cache carried in
+``.devkit/models-cache`` (``tools/gpu/model_cache.sh``; the makers are deterministic: the same seed
+gives the same bytes). The servers of parts 1-3 start together at the beginning (the tiny ones
+without CUDA graphs, the big ones with decode graphs up to batch 4 unless AKV_MODELS_BIG_GRAPHS=0);
+part 4's start once part 3's are stopped. A part that would not end before the deadline
+(AKV_MODELS_DEADLINE_S, default 470 s from the start) is skipped and says so.
+
+Device call (carry [".devkit"] after tools/gpu/prepare.sh or model_cache.sh; timeout_s 600; ~9
+minutes: run.sh's install and import check ~70 s, then this script: servers of parts 1-3 start at
++10-30 s; part 1 ends ~+130 s, part 2 ~+150 s, part 3 ~+250 s; part 4 starts only with 200 s left
+and its FP8 pair is the likeliest to be cut by the deadline; knobs AKV_MODELS_PARTS=gpt_oss_tiny,...
+and AKV_MODELS_BIG_GRAPHS=0)::
+
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_models_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
+
+CPU dry run (parts 1-2 with the CPU servers of tests/sglang_cpu, FP32; ~10 minutes)::
+
+    python tools/gpu/akv_models_check.py --dry-run [--work DIR] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
+
+import akv_8b_check as big  # noqa: E402
+import akv_served_check as served  # noqa: E402
+import server_process  # noqa: E402
+
+PARSERS = {"gpt-oss": ["--reasoning-parser", "gpt-oss", "--tool-call-parser", "gpt-oss"],
+           "minimax": ["--reasoning-parser", "minimax-append-think", "--tool-call-parser", "minimax-m2"]}
+WORDS = (30, 30, 3, 3, 30, 3, 3, 30)
+GPU_TINY = ["--dtype", "bfloat16", "--attention-backend", "triton", "--disable-cuda-graph", "--sampling-backend",
+            "pytorch", "--max-total-tokens", "32768", "--mem-fraction-static", "0.9", "--enable-cache-report"]
+CPU_TINY = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
+            "--max-total-tokens", "8192", "--chunked-prefill-size", "256", "--skip-server-warmup",
+            "--mem-fraction-static", "0.5", "--enable-cache-report"]
+BIG = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton", "--page-size", "1",
+       "--sampling-backend", "pytorch", "--enable-cache-report", "--context-length", "32768",
+       "--disable-hybrid-swa-memory"]
+BIG_MEMORY = {"gpt_oss_20b": ["--mem-fraction-static", "0.8", "--max-total-tokens", "65536",
+                              "--chunked-prefill-size", "8192"],
+              "minimax_dummy": ["--mem-fraction-static", "0.92", "--max-total-tokens", "16384",
+                                "--chunked-prefill-size", "4096"]}
+"""Servers share the GPU: SGLang leaves (1 - mem-fraction-static) x the memory free at its start
+unused and sizes its KV pool from what is free then, so every server takes a high fraction and an
+explicit --max-total-tokens (20b: 65536 x 48 KiB; MiniMax: 16384 x 248 KiB, next to 2 x ~61 GB FP8)."""
+BIG_ENV = {"gpt_oss_20b": {}, "minimax_dummy": {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"}}
+"""FP8 block GEMMs on triton rather than DeepGEMM, whose precompile at startup takes minutes."""
+PLAIN_TOKENS = {"gpt_oss_tiny": 1}
+"""Plain gpt-oss requests keep stock SGLang's window: its extend reads the contract's window, its
+triton decode one key fewer (sgl-project/sglang#32087, akv.system.adapter.window_lists), so plain
+requests are compared with the reference on their first token (prefill) only; context requests on all."""
+CPU_BOUND_FLOOR = 1e-3
+"""Dry run only: in FP32 on the CPU plain and context errors are both noise (~1e-5)."""
+ESTIMATE_S = {"gpt_oss_tiny": 150, "minimax_tiny": 60, "gpt_oss_20b": 120, "minimax_dummy": 200}
+"""Seconds each part needs from its turn (its servers' startup included where it is not yet done)."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU: parts 1-2 on the CPU servers of tests/sglang_cpu")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", "models-check-out")))
+    p.add_argument("--work", type=Path, default=Path("/tmp/akv-models-check"),
+                   help="models (and with --dry-run the CPU sites) are made here")
+    p.add_argument("--deadline-s", type=float, default=float(os.environ.get("AKV_MODELS_DEADLINE_S", "470")))
+    p.add_argument("--ready-timeout", type=float, default=420.0)
+    p.add_argument("--parts", default=os.environ.get("AKV_MODELS_PARTS", ",".join(ESTIMATE_S)),
+                   help="comma-separated parts to run (default all); the others are skipped")
+    p.add_argument("--big-graphs", type=int, choices=(0, 1), default=int(os.environ.get("AKV_MODELS_BIG_GRAPHS", "1")))
+    args = p.parse_args(argv)
+    args.parts = args.parts.split(",")
+    unknown = set(args.parts) - set(ESTIMATE_S)
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from {list(ESTIMATE_S)}")
+    if args.dry_run and args.deadline_s == p.get_default("deadline_s"):
+        args.deadline_s = 1500.0
+    return args
+
+
+class Run:
+    """The report being written, the clock, and the servers alive."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.started = args, time.time()
+        self.report: dict[str, Any] = {"command": "python tools/gpu/akv_models_check.py " + " ".join(sys.argv[1:]),
+                                       "dry_run": args.dry_run, "deadline_s": args.deadline_s, "parts": {},
+                                       "servers": {}}
+        self.servers: dict[str, big.Server] = {}
+        self.launched: dict[str, float] = {}
+
+    def left(self) -> float:
+        return self.args.deadline_s - (time.time() - self.started)
+
+    def log(self, message: str) -> None:
+        print(f"[akv_models_check {time.strftime('%H:%M:%S', time.gmtime())} +{time.time() - self.started:.0f}s] "
+              f"{message}", flush=True)
+
+    def write(self) -> None:
+        self.report["elapsed_s"] = round(time.time() - self.started, 1)
+        self.args.out.mkdir(parents=True, exist_ok=True)
+        (self.args.out / "akv_models_check.json").write_text(json.dumps(self.report, indent=1) + "\n")
+
+    def launch(self, name: str, module: str, model: Path, flags: list[str], env: dict[str, str], port: int) -> None:
+        argv = [sys.executable, "-m", module, "--model-path", str(model), *flags]
+        self.launched[name] = time.time()
+        self.servers[name] = big.Server(name, argv, env, port, self.args.out / f"server-{name}.log")
+        self.report["servers"][name] = {"command": self.servers[name].command}
+        self.log(f"{name}: starting")
+
+    def ready(self, name: str) -> big.Server:
+        server = self.servers[name]
+        server.wait(max(10.0, min(self.args.ready_timeout, self.left())))
+        if "startup_s" not in self.report["servers"][name]:
+            self.report["servers"][name]["startup_s"] = round(time.time() - self.launched[name], 1)
+            self.log(f"{name}: ready after {self.report['servers'][name]['startup_s']} s")
+        return server
+
+    def stop(self, *names: str) -> None:
+        """Stop these servers, all at once (each waits for its whole process group to end)."""
+        stopping = [threading.Thread(target=self.servers.pop(name).stop) for name in names if name in self.servers]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
+
+    def part(self, name: str, check: Callable[[], dict[str, Any]], need_s: float | None = None) -> None:
+        """Run ``check`` unless it is not asked for or would need more than the time left (``need_s``,
+        default ``ESTIMATE_S[name]``); its result (or why not) goes into the report, written at once."""
+        need_s = ESTIMATE_S[name] if need_s is None else need_s
+        if name not in self.args.parts:
+            self.report["parts"][name] = {"ok": None, "skipped": "not in --parts"}
+        elif self.left() < need_s:
+            self.report["parts"][name] = {"ok": None, "skipped": f"needs ~{need_s:.0f} s, {self.left():.0f} s "
+                                                                 "left before the deadline"}
+        else:
+            started = time.time()
+            cut = f"started at +{started - self.started:.0f} s, not finished"
+            self.report["parts"][name] = {"ok": None, "cut": cut}
+            self.write()
+            try:
+                self.report["parts"][name] = check()
+            except Exception as exc:  # noqa: BLE001 - record it and go on to the next part
+                self.report["parts"][name] = {"ok": False, "error": repr(exc)[-3000:]}
+            self.report["parts"][name]["seconds"] = round(time.time() - started, 1)
+        self.log(f"{name}: {json.dumps(self.report['parts'][name])[:400]}")
+        self.write()
+
+
+def make_models(folder: Path, names: tuple[str, ...], dry_run: bool) -> dict[str, Path]:
+    """Model folders (the tiny ones with weights, the big ones config-only) from the carried cache."""
+    from akv.system.models.gpt_oss import make_gpt_oss_model
+    from akv.system.models.minimax_m2 import make_minimax_m2_dummy, make_minimax_m2_tiny
+
+    cache = ROOT / ".devkit" / "models-cache"
+    if cache.is_dir() and not os.environ.get("AKV_CACHE_DIR"):
+        os.environ["AKV_CACHE_DIR"] = str(cache)
+    makers = {"gpt_oss_tiny": lambda: make_gpt_oss_model(folder / "gpt-oss-tiny", dtype="bfloat16", seed=0),
+              "minimax_tiny": lambda: make_minimax_m2_tiny(folder / "minimax-m2-tiny", dtype="bfloat16", seed=0),
+              "gpt_oss_20b": lambda: make_gpt_oss_model(folder / "gpt-oss-20b", shape="20b", weights=False),
+              "minimax_dummy": lambda: make_minimax_m2_dummy(folder / "minimax-m2-dummy")}
+    models = {name: makers[name]() for name in names}
+    if dry_run:
+        for path in models.values():
+            _as_float32(path)
+    return models
+
+
+def _as_float32(folder: Path) -> None:
+    """The same (bf16) weights stored as float32, for SGLang's FP32 CPU path (gpt-oss keeps the
+    file's dtype in some layers)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    save_file({k: v.to(torch.float32) for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2) + "\n")
+
+
+def check_tiny(run: Run, name: str, model: Path) -> dict[str, Any]:
+    """Part 1 or 2: the patched server against the reference server on the same weights."""
+    from akv.system.reference_server import Engine, ReferenceServer
+
+    server = run.ready(name)
+    reference = ReferenceServer(Engine(model, name="default", kv_slots=16384))
+    reference.start_in_background()
+    try:
+        rows = served.serve_pairs(server.url, reference.url, served.requests(WORDS), run.log,
+                                  PLAIN_TOKENS.get(name))
+    finally:
+        reference.shutdown()
+        reference.server_close()
+        run.stop(name)
+    result = served.verdict(rows, CPU_BOUND_FLOOR if run.args.dry_run else 0.0)
+    result["context_first_token_max_error"] = max(r["first_token_error"] for n, r in rows.items()
+                                                  if n.startswith("context"))
+    return {"ok": not result["failures"], "model": str(model), "plain_tokens_compared": PLAIN_TOKENS.get(name, "all"),
+            **result, "requests": rows}
+
+
+def check_big(run: Run, name: str, model: Path) -> dict[str, Any]:
+    """Part 3 or 4: plain identity with stock, ten turns with drops and repositions, equivalence."""
+    from transformers import AutoTokenizer
+
+    patched, stock = run.ready(f"{name}_patched"), run.ready(f"{name}_stock")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out: dict[str, Any] = {"model": str(model)}
+    try:
+        for check, call in (("plain_identity", lambda: big.check_plain_identity(patched, stock, tokenizer)),
+                            ("ten_turns", lambda: big.check_ten_turns(patched, tokenizer)),
+                            ("equivalence", lambda: big.check_equivalence(patched, tokenizer))):
+            try:
+                out[check] = call()
+            except Exception as exc:  # noqa: BLE001 - record it and go on to the next check
+                out[check] = {"ok": False, "error": repr(exc)[-2000:]}
+            run.log(f"{name} {check}: {json.dumps(out[check])[:300]}")
+    finally:
+        run.stop(f"{name}_patched", f"{name}_stock")
+    out["ok"] = bool(out["plain_identity"].get("ok") and out["ten_turns"].get("ok"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the parts
+    args = parse_args(argv)
+    run = Run(args)
+    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    stock_site = args.work / "stock-site" if args.dry_run else Path("/tmp/site-stock")
+    unpack = None
+    try:
+        if args.dry_run:
+            site = [str(ROOT / "tests" / "sglang_cpu" / "site"), str(server_process.cpu_patched_site(args.work)),
+                    str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
+            patched_env, tiny_flags = {**base, "PYTHONPATH": os.pathsep.join(site)}, CPU_TINY
+        else:
+            unpack = threading.Thread(target=server_process.unpack_stock_site, args=(stock_site,))
+            unpack.start()
+            patched_env, tiny_flags = {**base, "PYTHONPATH": os.environ["PYTHONPATH"]}, GPU_TINY
+        models = make_models(args.work / "models", ("gpt_oss_tiny", "minimax_tiny"), args.dry_run)
+        port = (lambda k: server_process.free_port()) if args.dry_run else (lambda k: 30020 + k)
+        patched = "akv.system.launch_server"
+        for k, (name, parsers) in enumerate((("gpt_oss_tiny", "gpt-oss"), ("minimax_tiny", "minimax"))):
+            if name in args.parts:
+                run.launch(name, patched, models[name], [*tiny_flags, *PARSERS[parsers]], patched_env, port(k))
+        graphs = ["--cuda-graph-max-bs", "4", "--cuda-graph-backend-prefill", "disabled"] if args.big_graphs else [
+            "--disable-cuda-graph"]
+        stock_env = {**base, "PYTHONPATH": str(stock_site)}
+
+        def launch_big(name: str, parsers: list[str], k: int) -> None:
+            flags = [*BIG, *BIG_MEMORY[name], *graphs, *parsers]
+            run.launch(f"{name}_patched", patched, models[name], flags, {**patched_env, **BIG_ENV[name]}, port(k))
+            run.launch(f"{name}_stock", "sglang.launch_server", models[name], flags, {**stock_env, **BIG_ENV[name]},
+                       port(k + 1))
+
+        if not args.dry_run:
+            models.update(make_models(args.work / "models", ("gpt_oss_20b", "minimax_dummy"), False))
+            unpack.join()
+            if "gpt_oss_20b" in args.parts:
+                launch_big("gpt_oss_20b", PARSERS["gpt-oss"], 2)
+        run.report["models"] = {k: json.loads((v / "config.json").read_text()) for k, v in models.items()}
+        run.write()
+        run.part("gpt_oss_tiny", lambda: check_tiny(run, "gpt_oss_tiny", models["gpt_oss_tiny"]))
+        run.part("minimax_tiny", lambda: check_tiny(run, "minimax_tiny", models["minimax_tiny"]))
+        if args.dry_run:
+            for name in ("gpt_oss_20b", "minimax_dummy"):
+                run.report["parts"][name] = {"ok": None, "skipped": "dry run: H200 only"}
+        else:
+            run.part("gpt_oss_20b", lambda: check_big(run, "gpt_oss_20b", models["gpt_oss_20b"]))
+            run.stop(*list(run.servers))
+            started = "minimax_dummy" in args.parts and run.left() >= ESTIMATE_S["minimax_dummy"]
+            if started:
+                launch_big("minimax_dummy", PARSERS["minimax"], 4)
+            run.part("minimax_dummy", lambda: check_big(run, "minimax_dummy", models["minimax_dummy"]),
+                     0.0 if started else None)
+    finally:
+        run.stop(*list(run.servers))
+        run.write()
+    parts = run.report["parts"]
+    run.log("summary " + json.dumps({k: v.get("ok") for k, v in parts.items()}))
+    return 0 if all(v.get("ok") is not False for v in parts.values()) and parts else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
