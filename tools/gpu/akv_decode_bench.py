@@ -31,7 +31,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -40,7 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from akv_8b_check import ROOT, TOOLS, Conversation, Server
+from akv_8b_check import TOOLS, Conversation, Server
+from server_process import unpack_stock_site
 from transformers import AutoTokenizer
 
 FLOOR_US_PER_1K = 30.7
@@ -213,10 +213,7 @@ def main() -> int:
 
     try:
         servers["patched"] = start("patched", 30020)
-        if not (args.stock_site / "sglang").is_dir():
-            args.stock_site.mkdir(parents=True, exist_ok=True)
-            subprocess.run(f"xz -T0 -dc {ROOT / '.devkit' / 'site-py312.tar.xz'} | tar -x -C {args.stock_site}",
-                           shell=True, check=True)
+        unpack_stock_site(args.stock_site)
         servers["stock"] = start("stock", 30021)
         cases.update({live: case(tokenizer, live, 500 + i) for i, live in enumerate(lives)})
         report["cases"] = {str(live): {"live_prompt_tokens": c[2], "all_prompt_tokens": c[3]} for live, c in cases.items()}
