@@ -1,7 +1,8 @@
 """Every serving-replay method side by side in one run: stock SGLang 0.5.16 (the pinned wheel,
 unpatched) replays the text methods (Full, Standard, Text Engineering, trimming) and the patched
 server (``python -m akv.system.launch_server``) replays AKV (drop_message/reposition from
-akv.agent), one server at a time on the same model (patched first), level by level over a
+akv.agent), both servers up at once on the same model (one at a time with --dry-run or
+``--servers in-turn``, patched first), only one measured at a time, level by level over a
 concurrency sweep that fits a time budget. Writes ``replay_suite.json`` (rows, ratios, the exact command and settings),
 ``replay_suite.md`` (the table and AKV vs Standard next to the goals) and ``replay_suite.svg``
 under ``--out``; server logs under ``--logs``. Prints a line per step and per run.
@@ -17,9 +18,9 @@ without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (8 traject
 AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (12), AKV_REPLAY_MAX_TURNS (60; 0 = whole),
 AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPLAY_STOCK_METHODS
 (standard,trim,text_engineering,full), AKV_REPLAY_AKV_METHODS (akv_keep12), AKV_REPLAY_THRESHOLDS
-(96000,48000: Standard, Text Engineering), AKV_REPLAY_KEEP (12), AKV_REPLAY_TARGET_S (330: the
-suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (420: no run that would
-end later starts), AKV_REPLAY_SERVERS (in-turn | together), AKV_REPLAY_MEM_FRACTION,
+(96000,48000: Standard, Text Engineering), AKV_REPLAY_KEEP (12), AKV_REPLAY_TARGET_S (440: the
+suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (470: no run that would
+end later starts), AKV_REPLAY_SERVERS (together | in-turn), AKV_REPLAY_MEM_FRACTION,
 AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (flashinfer) and AKV_REPLAY_AKV_BACKEND (default: the same),
 AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PRIME (1: measure from the second request of each
 conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
@@ -97,18 +98,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=int(env("AKV_REPLAY_KEEP", "12")))
     p.add_argument("--max-output-tokens", type=int, default=int(env("AKV_REPLAY_MAX_OUTPUT", "128")) or None,
                    help="cap of each request's fixed output length (0: the trajectories' own, ~350 on average)")
-    p.add_argument("--target-s", type=float, default=float(env("AKV_REPLAY_TARGET_S", "330")),
+    p.add_argument("--target-s", type=float, default=float(env("AKV_REPLAY_TARGET_S", "440")),
                    help="wall seconds the suite plans for (server starts included)")
-    p.add_argument("--deadline-s", type=float, default=float(env("AKV_REPLAY_DEADLINE_S", "420")),
+    p.add_argument("--deadline-s", type=float, default=float(env("AKV_REPLAY_DEADLINE_S", "470")),
                    help="no run starts after this many seconds")
     p.add_argument("--backend", default=env("AKV_REPLAY_BACKEND", "flashinfer"), help="attention backend (stock)")
     p.add_argument("--akv-backend", default=os.environ.get("AKV_REPLAY_AKV_BACKEND"),
                    help="attention backend of the patched server (default: --backend)")
-    p.add_argument("--servers", choices=("in-turn", "together"), default=env("AKV_REPLAY_SERVERS", "in-turn"),
+    p.add_argument("--servers", choices=("in-turn", "together"), default=os.environ.get("AKV_REPLAY_SERVERS"),
                    help="start stock and patched one after the other (whole GPU each) or both at once (saves one "
-                        "startup; each gets --mem-fraction 0.42 and a --pool-tokens cap, as akv_8b_check.py)")
+                        "startup of 250-350 s on FlashInfer; each gets a --pool-tokens cap); default: together on "
+                        "the H200, in turn with --dry-run")
     p.add_argument("--mem-fraction", default=os.environ.get("AKV_REPLAY_MEM_FRACTION"),
-                   help="--mem-fraction-static of each server (default 0.85 in turn, 0.42 together)")
+                   help="--mem-fraction-static of each server (default 0.85 in turn; 0.8 together, where the pool "
+                        "cap leaves the other server room whichever profiles the GPU first)")
     p.add_argument("--pool-tokens", type=int, default=int(env("AKV_REPLAY_POOL_TOKENS", "0")) or None,
                    help="--max-total-tokens of each server (default: none in turn, 150000 together)")
     p.add_argument("--prime", type=int, choices=(0, 1), default=int(env("AKV_REPLAY_PRIME", "1")),
@@ -137,8 +140,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.akv_backend = args.akv_backend or args.backend
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.port = args.port or (free_port_pair() if args.dry_run else 30100)
+    args.servers = args.servers or ("in-turn" if args.dry_run else "together")
     together = args.servers == "together"
-    args.mem_fraction = args.mem_fraction or ("0.42" if together else "0.85")
+    args.mem_fraction = args.mem_fraction or ("0.8" if together else "0.85")
     args.pool_tokens = args.pool_tokens or (150_000 if together else None)
     return args
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu/replay_suite.sh -- every serving-replay method side by side in one run
 # (tools/gpu/replay_suite.py: stock SGLang 0.5.16 replays the text methods, the patched server AKV,
-# one server at a time, Qwen3-8B shape with dummy weights and a 131,072-token window, FlashInfer).
+# both servers up at once, Qwen3-8B shape with dummy weights and a 131,072-token window, FlashInfer).
 #
 # H200, one device call from the repository root (carry [".devkit"] made by tools/gpu/prepare.sh,
 # timeout_s 600); about 6 minutes with the defaults:
