@@ -162,11 +162,17 @@ def test_gpt_oss_rounds_end_where_the_kernels_window_would_stop_being_exact(gpt_
         assert (rounds > segments) == early, (rid, rounds, segments)
 
 
-def test_minimax_m2_context_requests_equal_the_oracle(patched_site: Path, minimax_tiny: Path) -> None:
+@pytest.fixture(scope="module")
+def minimax_run(patched_site: Path, minimax_tiny: Path) -> tuple[list, dict]:
+    """The MiniMax waves on triton, with FlashInfer planned for every context forward alongside."""
+    waves = minimax_waves()
+    return waves, serve(patched_site, minimax_tiny, scenarios.job(waves), chunk=4, flashinfer_probe=True)
+
+
+def test_minimax_m2_context_requests_equal_the_oracle(minimax_run: tuple[list, dict], minimax_tiny: Path) -> None:
     """Repositions re-rotate the first 64 dims of each 128-dim key and copy the rest bit for bit; a
     full-width rotation would put the keys at other positions than the oracle's."""
-    waves = minimax_waves()
-    report = serve(patched_site, minimax_tiny, scenarios.job(waves), chunk=4)
+    waves, report = minimax_run
     model = MiniMaxM2Model.from_pretrained(minimax_tiny)
     repositioned = 0
     for wave in waves:
@@ -176,6 +182,15 @@ def test_minimax_m2_context_requests_equal_the_oracle(patched_site: Path, minima
             repositioned += 0 if details is None else int(details.get("repos_tokens") or 0)
     assert repositioned > 0, "no request read a re-rotated copy"
     assert_pool_back(report)
+
+
+def test_minimax_flashinfer_plans_read_the_same_visible_kv(minimax_run: tuple[list, dict]) -> None:
+    """MiniMax-M2 has no sliding window, so FlashInfer serves its context requests (issue #15): for
+    every context forward of the oracle-checked run, FlashInfer's decode lists (eager and into a
+    padded CUDA-graph buffer) and paged-prefill lists equal the triton backend's."""
+    probe = minimax_run[1]["flashinfer_probe"]
+    assert probe["decode"] > 0 and probe["extend"] > 0, probe
+    assert probe["n_mismatches"] == 0, probe["mismatches"]
 
 
 def test_minimax_rope_table_rotates_only_rotary_dim(minimax_tiny: Path) -> None:
