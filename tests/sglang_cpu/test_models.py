@@ -5,7 +5,8 @@ gpt-oss (sliding window 8 on even layers, sinks, YaRN, MoE) checks the sliding-w
 query at position ``p`` reads the visible keys whose current position is greater than ``p - 8``,
 with drops inside and outside the window, a reposition after a drop, the Figure-5 orderings, and a
 drop right before a new message, whose rounds must end early to stay exact. MiniMax-M2 (partial
-NeoX RoPE on 64 of 128 dims, QK norm over all heads) checks re-rotation of the rotated dims only.
+NeoX RoPE on 64 of 128 dims, QK norm over all heads) checks re-rotation of the rotated dims only,
+and, having no sliding window, FlashInfer's plans for the same forwards (flashinfer_probe.py).
 """
 
 from __future__ import annotations
