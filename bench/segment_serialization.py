@@ -1,9 +1,10 @@
-"""What SGLang's single chunked request costs concurrent context turns (CPU scheduler; issue 10).
+"""Concurrent context turns with several segments vs one (CPU scheduler; issue 10).
 
 Run: ``python bench/segment_serialization.py --out bench/results/segment_serialization.json``.
 
-SGLang keeps one chunked request at a time, and a context request whose plan has several segments
-rides on that mechanism, so two such requests never run their rounds side by side. An agent turn
+A context request whose plan has several segments runs them as chunked-prefill rounds; SGLang keeps
+one chunked request at a time, and the others continue beside it (``akv.system.adapter.rounds``;
+before that they waited for the slot, one request's rounds after another's). An agent turn
 whose drop is anchored at its last message has two segments (the new messages, then the generation
 prompt after the drop); with the drop anchored one message earlier the same turn has one. Both
 kinds, ``K`` warm conversations at once (for each ``K`` given), through SGLang's real scheduler on
