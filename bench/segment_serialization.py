@@ -1,14 +1,16 @@
-"""What SGLang's single chunked request costs concurrent context turns (CPU scheduler; issue 10).
+"""Concurrent context turns with several segments vs one (CPU scheduler; issue 10).
 
 Run: ``python bench/segment_serialization.py --out bench/results/segment_serialization.json``.
 
-SGLang keeps one chunked request at a time, and a context request whose plan has several segments
-rides on that mechanism, so two such requests never run their rounds side by side. An agent turn
+A context request whose plan has several segments runs them as chunked-prefill rounds; SGLang keeps
+one chunked request at a time, and the others continue beside it (``akv.system.adapter.rounds``;
+before that they waited for the slot, one request's rounds after another's). An agent turn
 whose drop is anchored at its last message has two segments (the new messages, then the generation
 prompt after the drop); with the drop anchored one message earlier the same turn has one. Both
-kinds, ``K`` warm conversations at once, through SGLang's real scheduler on the CPU (tiny FP32
-Qwen3, the driver of ``tests/sglang_cpu``): wall time of the wave, forwards it took, the largest
-batch, and per request the index of the wave's first forward that carries it (its first round).
+kinds, ``K`` warm conversations at once (for each ``K`` given), through SGLang's real scheduler on
+the CPU (tiny FP32 Qwen3, the driver of ``tests/sglang_cpu``): wall time of the wave, forwards it
+took, the largest batch, and per request the wave's forward of its first round, the forward of its
+last round (the one that samples its first token), and the tokens of each of its prefill rounds.
 """
 
 from __future__ import annotations
@@ -68,21 +70,25 @@ def measure(site: Path, model: Path, k: int, last_anchor: bool, seed: int) -> di
     job = waves(k, last_anchor, seed)
     report = serve(site, model, scenarios.job(job), chunk=64)
     rids = [r.rid for r in job[1]]
-    wave = [b for b in report["batches"] if set(b) & set(rids)]
-    first_token = {r: next(i for i, b in enumerate(wave) if r in b) for r in rids}
+    segments = _segments(job)
+    wave = [(b, t) for b, t in zip(report["batches"], report["tokens"]) if set(b) & set(rids)]
+    rounds = {r: [(i, t[b.index(r)]) for i, (b, t) in enumerate(wave) if r in b][:n] for r, n in zip(rids, segments)}
     return {
         "drop_anchor": "last message" if last_anchor else "message before the new ones",
-        "segments_per_turn": sorted(set(_segments(job))),
+        "segments_per_turn": sorted(set(segments)),
         "wave_s": report["waves"][1]["seconds"],
         "forwards": len(wave),
-        "max_batch": max(len(b) for b in wave),
-        "first_forward_per_request": list(first_token.values()),
+        "max_batch": max(len(b) for b, _ in wave),
+        "first_forward_per_request": [rs[0][0] for rs in rounds.values()],
+        "first_token_forward_per_request": [rs[-1][0] for rs in rounds.values()],
+        "round_tokens_per_request": [[tokens for _, tokens in rs] for rs in rounds.values()],
+        "tokens_per_forward": [sum(t) for _, t in wave],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--k", type=int, default=6)
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="akv-segments-") as tmp:
@@ -92,12 +98,12 @@ def main() -> None:
                         str(work / "site"), str(wheel)], check=True)
         model = make_tiny_model(work / "tiny-qwen3", seed=3)
         result = {
-            "command": "python bench/segment_serialization.py" + (f" --k {args.k}" if args.k != 6 else ""),
+            "command": "python bench/segment_serialization.py" + (f" --k {' '.join(map(str, args.k))}"
+                                                                  if args.k != [2, 4, 8] else ""),
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
-            "k": args.k,
-            "two_segments": measure(work / "site", model, args.k, True, 60),
-            "one_segment": measure(work / "site", model, args.k, False, 60),
+            "runs": [{"k": k, "two_segments": measure(work / "site", model, k, True, 60),
+                      "one_segment": measure(work / "site", model, k, False, 60)} for k in args.k],
         }
     text = json.dumps(result, indent=2)
     print(text)

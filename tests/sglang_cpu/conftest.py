@@ -35,7 +35,7 @@ def serve(site: Path, model: Path, waves: list[dict], *, overlap: bool = False, 
     job = {"model": str(model), "overlap": overlap, "chunk": chunk, "backend": backend,
            "env": {**STRICT, **(env or {})}, "waves": waves, "max_total_tokens": max_total_tokens,
            "server_args": server_args or {}, "flashinfer_probe": flashinfer_probe, "audit": audit}
-    process_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    process_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(HERE / "scheduler_driver.py")], input=json.dumps(job),
                           capture_output=True, text=True, env=process_env, timeout=timeout, check=False)
     assert done.returncode == 0, done.stderr[-6000:]

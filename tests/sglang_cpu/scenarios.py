@@ -26,6 +26,7 @@ class Request:
     program: ContextProgram | None
     max_new: int = 4
     abort_after: int | None = None
+    abort_after_forwards: int | None = None
 
     def job(self) -> dict:
         encoded = None if self.program is None else base64.b64encode(encode_program(self.program)).decode()
@@ -159,6 +160,19 @@ def segment_join_waves() -> list[list[Request]]:
              Conversation(34).add(5, 6).request("join-plain-1", plain=True)]]
 
 
+def parallel_rounds_waves() -> list[list[Request]]:
+    """Three warm conversations' two-segment turns (drop anchored at the last message) and two cold
+    five-segment requests, sent together: SGLang's prefill budget for all of them fits one chunk of
+    128, so all run their rounds side by side; one cold request is aborted after its first round."""
+    convs = [Conversation(41 + i).add(7, 5, 4, 9) for i in range(3)]
+    cold = [Conversation(45 + i).add(6, 6).drop(0).add(6, 6).drop(2).add(6, 6).drop(4).add(6, 6).drop(6).add(6, 6)
+            for i in range(2)]
+    return [[c.request(f"rounds-warm-{i}", plain=True) for i, c in enumerate(convs)],
+            [*(c.copy().add(4, 9).drop(2).request(f"rounds-turn-{i}") for i, c in enumerate(convs)),
+             cold[0].request("rounds-cold"),
+             cold[1].request("rounds-cold-aborted", abort_after_forwards=1)]]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)
@@ -183,4 +197,6 @@ def plain_waves() -> list[list[Request]]:
 
 def job(waves: list[list[Request]]) -> list[dict]:
     return [{"requests": [r.job() for r in wave],
-             "aborts": {r.rid: r.abort_after for r in wave if r.abort_after is not None}} for wave in waves]
+             "aborts": {r.rid: r.abort_after for r in wave if r.abort_after is not None},
+             "aborts_after_forwards": {r.rid: r.abort_after_forwards for r in wave
+                                       if r.abort_after_forwards is not None}} for wave in waves]

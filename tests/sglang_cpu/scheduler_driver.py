@@ -170,6 +170,7 @@ class Driver:
         self.scheduler.ipc_channels.send_to_tokenizer.send_output = capture
         self.logits: dict[str, dict[int, list[float]]] = {}
         self.batches: list[list[str]] = []
+        self.tokens: list[list[int]] = []
         self.prompt_len: dict[str, int] = {}
         self._record_logits()
         self.audit = Audit(self.scheduler) if audit else None
@@ -198,6 +199,8 @@ class Driver:
             out = forward(forward_batch, *args, **kwargs)
             if forward_batch.rids is not None:
                 driver.batches.append(list(forward_batch.rids))
+                extend = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
+                driver.tokens.append(list(extend) if extend is not None else [1] * len(forward_batch.rids))
             logits = getattr(out.logits_output, "next_token_logits", None)
             if logits is not None and forward_batch.rids is not None:
                 seq_lens = forward_batch.seq_lens_cpu.tolist()
@@ -246,9 +249,14 @@ class Driver:
             entry["logits"] = {str(k): v for k, v in self.logits.get(rid, {}).items()}
         return out
 
-    def wait(self, rids: list[str], aborts: dict[str, int], timeout: float) -> None:
+    def wait(self, rids: list[str], aborts: dict[str, int], timeout: float,
+             aborts_after_forwards: dict[str, int] | None = None) -> None:
+        """Until ``rids`` finish and the scheduler is idle; aborting each rid of ``aborts`` once it has
+        that many next-token logits, and each of ``aborts_after_forwards`` once that many forwards
+        carried it."""
         deadline = time.time() + timeout
         pending_aborts = dict(aborts)
+        pending_forwards = dict(aborts_after_forwards or {})
         while time.time() < deadline:
             if self.error:
                 raise RuntimeError(self.error)
@@ -257,6 +265,10 @@ class Driver:
                 if len(self.logits.get(rid, {})) >= after or after == 0:
                     self.abort(rid)
                     del pending_aborts[rid]
+            for rid, after in list(pending_forwards.items()):
+                if sum(rid in b for b in self.batches) >= after:
+                    self.abort(rid)
+                    del pending_forwards[rid]
             if all(results.get(r, {}).get("finished") for r in rids) and self._idle():
                 return
             time.sleep(0.05)
@@ -264,7 +276,8 @@ class Driver:
 
     def _idle(self) -> bool:
         s = self.scheduler
-        return not s.waiting_queue and s.running_batch.is_empty() and s.chunked_req is None
+        return (not s.waiting_queue and s.running_batch.is_empty() and s.chunked_req is None
+                and not getattr(s, "akv_rounds", None))
 
     def pool(self) -> dict[str, int]:
         time.sleep(0.3)  # let the loop run its idle pass (the strict leak check)
@@ -290,12 +303,14 @@ def main() -> None:
         t = time.time()
         for request in wave["requests"]:
             driver.submit(request)
-        driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900))
+        driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900),
+                    wave.get("aborts_after_forwards"))
         report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool()})
     if driver.error:
         raise RuntimeError(driver.error)
     report["results"] = driver.results()
     report["batches"] = driver.batches
+    report["tokens"] = driver.tokens
     if job.get("flashinfer_probe"):
         report["flashinfer_probe"] = flashinfer_probe.report()
     report["audit"] = None if driver.audit is None else driver.audit.counts

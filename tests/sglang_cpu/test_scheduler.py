@@ -204,6 +204,29 @@ def test_plain_requests_join_the_rounds_of_a_multi_segment_request(
     assert_pool_back(report)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_multi_segment_requests_run_their_rounds_side_by_side(
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel, overlap: bool) -> None:
+    """Five context requests with two or five segments each, sent together: one forward carries
+    all five (SGLang's single chunked request would carry one multi-round request at a time), each
+    takes its rounds in consecutive forwards, each equals the oracle, and the one aborted
+    mid-prefill releases everything."""
+    waves = scenarios.parallel_rounds_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, overlap=overlap)
+    rids = [r.rid for r in waves[1]]
+    assert any(set(rids) <= set(b) for b in report["batches"]), report["batches"]
+    carried = {rid: [i for i, b in enumerate(report["batches"]) if rid in b] for rid in rids}
+    for rid, n in zip(rids, (2, 2, 2, 5)):
+        first = carried[rid][0]
+        assert carried[rid][:n] == list(range(first, first + n)), (rid, carried[rid])
+    assert len(carried["rounds-cold-aborted"]) < 5, carried  # left before its last (fifth) round
+    assert report["results"]["rounds-cold-aborted"]["finished"]["type"] == "abort"
+    assert report["results"]["rounds-cold-aborted"]["ids"] == []
+    for request in waves[0] + waves[1][:-1]:
+        assert_exact(oracle_model, request, report["results"][request.rid])
+    assert_pool_back(report)
+
+
 def test_aborts_release_everything_and_the_next_requests_are_exact(
         patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     waves = scenarios.abort_waves()

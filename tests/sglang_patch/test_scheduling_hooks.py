@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from akv.system.adapter.context_request import AkvRequest
-from akv.system.adapter.scheduling import attach, cap_extend, must_wait
+from akv.system.adapter.scheduling import attach, cap_extend, hold_rounds, must_wait
 from akv.system.cache.occurrence import cold_plan
 from akv.system.cache.core import CacheCore
 from akv.system.cache.pool import SlotPool
@@ -79,7 +79,7 @@ def test_kv_that_can_never_fit_is_refused_with_the_exact_cold_need() -> None:
     assert attach(req, recv, SERVER, pool_size=need) is None
 
 
-def test_rounds_stop_at_segment_ends_and_serialize_on_the_chunked_slot() -> None:
+def test_rounds_stop_at_segment_ends_and_continue_beside_the_chunked_slot() -> None:
     prog = program([4, 4, 4, 2], {"2": [0]}, [2])
     req, recv = request(prog)
     attach(req, recv, SERVER, pool_size=1000)
@@ -92,9 +92,18 @@ def test_rounds_stop_at_segment_ends_and_serialize_on_the_chunked_slot() -> None
     req.set_extend_range = lambda lo, hi: setattr(req, "extend_range", SimpleNamespace(start=lo, end=hi))
     req.set_extend_range(0, prog.n_tokens)
     assert cap_extend(req) and req.extend_range.end == segments[0].end
-    idle = SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=64)
+    req.prefix_indices = []
+    first = segments[0].end - segments[0].start
+    idle = SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=64, akv_new_rounds=[])
     assert not must_wait(idle, req, has_chunked_req=False)
-    assert must_wait(idle, req, has_chunked_req=True)  # a multi-round request waits for the slot
+    hold_rounds(idle, req, has_chunked_req=False)
+    assert idle.new_chunked_req is req and idle.akv_new_rounds == []  # the free slot takes it
+    taken = SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=first, akv_new_rounds=[])
+    assert not must_wait(taken, req, has_chunked_req=True)  # its first round fits: it joins
+    hold_rounds(taken, req, has_chunked_req=True)
+    assert taken.new_chunked_req is None and taken.akv_new_rounds == [req]  # and continues beside the slot
+    assert must_wait(SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=first - 1), req,
+                     has_chunked_req=True)  # its first round does not fit what is left
     short = SimpleNamespace(akv=None, full_untruncated_fill_ids=[1] * 8, prefix_indices=[])
     with_context = SimpleNamespace(new_chunked_req=req, can_run_list=[req], rem_chunk_tokens=64)
     assert not must_wait(with_context, short, has_chunked_req=False)  # its whole prefill fits: it joins

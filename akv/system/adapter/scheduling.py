@@ -1,5 +1,5 @@
-"""Scheduler hooks: the program reaches ``Req``, rounds stop at segment ends, admission reserves
-copy slots, and batches with context requests run without overlap."""
+"""Scheduler hooks: the program reaches ``Req``, rounds stop at segment ends, a context request
+continues its rounds in or beside SGLang's chunked-request slot, admission reserves copy slots."""
 
 from __future__ import annotations
 
@@ -45,27 +45,43 @@ def cap_extend(req: Any) -> bool:
     if state is None:
         return False
     lo, hi = req.extend_range.start, req.extend_range.end
+    req.set_extend_range(lo, _round_end(state, lo, hi))
+    return req.extend_range.end < len(req.full_untruncated_fill_ids)
+
+
+def _round_end(state: AkvRequest, lo: int, hi: int) -> int:
     segment = state.current(lo) if state.active is not None else state.plan_draft_segments()[0]
-    hi = state.round_end(segment, lo, hi)
-    req.set_extend_range(lo, hi)
-    return hi < len(req.full_untruncated_fill_ids)
+    return state.round_end(segment, lo, hi)
 
 
 def must_wait(adder: Any, req: Any, has_chunked_req: bool) -> bool:
     """SGLang runs one chunked request at a time. While one holds that slot (a request continuing its
-    rounds, or one added to this batch), another joins the batch only if its whole prefill runs in
-    this round: one segment, within the chunk budget left; otherwise it waits (a multi-round context
-    request, or a prompt SGLang would have to chunk). Plain traffic around a plain chunked request
-    takes SGLang's own path."""
+    rounds, or one added to this batch), another joins the batch only if its first round fits the
+    chunk budget left: a context request's first round ends at its first segment's end (later rounds
+    continue outside the slot, :mod:`akv.system.adapter.rounds`), a plain prompt's is the whole
+    prompt (SGLang cannot chunk a second one). Plain traffic around a plain chunked request takes
+    SGLang's own path."""
     if not has_chunked_req and adder.new_chunked_req is None:
         return False
     state: AkvRequest | None = req.akv
     if state is None and not any(r.akv is not None for r in adder.can_run_list):
         return False
-    if state is not None and state.needs_rounds():
-        return True
     budget = adder.rem_chunk_tokens
-    return budget is None or len(req.full_untruncated_fill_ids) - len(req.prefix_indices) > budget
+    if budget is None:
+        return True
+    lo, hi = len(req.prefix_indices), len(req.full_untruncated_fill_ids)
+    end = hi if state is None or not state.needs_rounds() else _round_end(state, lo, hi)
+    return end - lo > budget
+
+
+def hold_rounds(adder: Any, req: Any, has_chunked_req: bool) -> None:
+    """Keep ``req``, whose prefill continues after this round, for its next rounds: in SGLang's
+    chunked-request slot when that is free (always for a plain prompt: SGLang's path), else, for a
+    context request, in the scheduler's list of requests between rounds."""
+    if req.akv is None or (not has_chunked_req and adder.new_chunked_req is None):
+        adder.new_chunked_req = req
+    else:
+        adder.akv_new_rounds.append(req)
 
 
 def extra_budget(req: Any) -> int:
