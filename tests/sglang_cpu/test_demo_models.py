@@ -62,9 +62,8 @@ def served(model: tuple[str, Path], patched_site: Path,
     argv = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(path), "--served-model-name",
             path.name, *akv_models_check.CPU_TINY, *PARSERS[name]]
     server = server_process.Server(name, argv, env, server_process.free_port(), work / "server.log")
-    server.start()
     try:
-        server.wait(900)
+        server.start_and_wait(900)
         done = demo(work / "sglang", "--base-url", server.url, "--model", path.name)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + server.log_path.read_text()[-3000:]
         yield server, work / "sglang"

@@ -103,6 +103,20 @@ class Server:
                 time.sleep(1)
         raise TimeoutError(f"{self.name} server not ready in {timeout:.0f} s")
 
+    def start_and_wait(self, timeout: float, attempts: int = 3) -> None:
+        """Start and wait for ``/health``; where another process took the port in between (the CPU
+        machine is shared, and SGLang picks its own internal ports), again on another free port."""
+        for attempt in range(attempts):
+            self.start()
+            try:
+                self.wait(timeout)
+                return
+            except RuntimeError:
+                if attempt == attempts - 1 or "address already in use" not in self.log_path.read_text():
+                    raise
+                self.stop()
+                self.port = free_port()
+
     def stop(self) -> None:
         """End the whole process group (launcher, scheduler, detokenizer) and wait until none of it
         is left, so that the next server finds the GPU memory free."""
