@@ -68,12 +68,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
 
     directory = make_tiny_model(tmp_path_factory.mktemp("served") / "tiny", seed=5)
     server = ReferenceServer(Engine(directory, name="tiny-served", kv_slots=8192))
-    server.start_in_background()
-    try:
+    with server.running():
         yield Target(server.url, "tiny-served", directory, "reference")
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(scope="module")

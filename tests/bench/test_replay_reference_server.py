@@ -29,12 +29,8 @@ def served(tiny_model_dir):
     from akv.system.reference_server import Engine, ReferenceServer
 
     server = ReferenceServer(Engine(tiny_model_dir, name="tiny-test", kv_slots=8192))
-    server.start_in_background()
-    try:
+    with server.running():
         yield server.url
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.parametrize("method", [FullContext(), AKV(reference_policy(2), name="akv_keep2")], ids=lambda m: m.name)

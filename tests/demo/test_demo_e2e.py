@@ -39,12 +39,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[ReferenceServer]:
     server = ReferenceServer(Engine(model_dir, name="tiny", kv_slots=16384))
-    server.start_in_background()
-    try:
+    with server.running():
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture()

@@ -27,12 +27,8 @@ MODEL = "gpt-oss-tiny"
 def server_url(gpt_oss_dir: Path) -> Iterator[tuple[str, Engine]]:
     engine = Engine(gpt_oss_dir, name=MODEL, kv_slots=4096)
     server = ReferenceServer(engine)
-    server.start_in_background()
-    try:
+    with server.running():
         yield server.url, engine
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:

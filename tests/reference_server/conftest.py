@@ -30,9 +30,5 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def served(tiny_model_dir: Path) -> Iterator[Served]:
     engine = Engine(tiny_model_dir, name=MODEL_NAME, kv_slots=8192)
     server = ReferenceServer(engine)
-    server.start_in_background()
-    try:
+    with server.running():
         yield Served(server.url, engine, tiny_model_dir)
-    finally:
-        server.shutdown()
-        server.server_close()

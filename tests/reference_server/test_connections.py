@@ -48,12 +48,8 @@ class Live:
 def live(tiny_model_dir: Path) -> Iterator[Live]:
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=8192)
     server = SmallBuffers(engine, io_timeout=IO_TIMEOUT)
-    server.start_in_background()
-    try:
+    with server.running():
         yield Live(server, engine)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def payload(**extra: Any) -> bytes:

@@ -51,12 +51,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
     engine = Engine(model_dir, name=MODEL, kv_slots=4096)
     engine.files = dataclasses.replace(engine.files, eos_token_ids=frozenset())  # always run to the limit
     server = ReferenceServer(engine)
-    server.start_in_background()
-    try:
+    with server.running():
         yield server.url, n_prompt, dropped
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def post(url: str, **fields: Any) -> tuple[int, dict[str, Any]]:

@@ -206,12 +206,8 @@ def qwen3_served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     (model_dir / "chat_template.jinja").write_text(QWEN3_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
     engine = Engine(model_dir, name=MODEL_NAME, kv_slots=4096)
     server = ReferenceServer(engine)
-    server.start_in_background()
-    try:
+    with server.running():
         yield server.url, engine
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 THINKING = [

@@ -155,12 +155,8 @@ def small(tiny_model_dir: Path) -> Iterator[tuple[str, Engine]]:
     size = prompt_tokens(engine, long_body("tea")) + 40
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=size)
     server = ReferenceServer(engine)
-    server.start_in_background()
-    try:
+    with server.running():
         yield server.url, engine
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_demand_that_never_fits_is_a_400_naming_the_field(small: tuple[str, Engine]) -> None:

@@ -84,12 +84,8 @@ def mutate(body: dict[str, Any], path: tuple[Any, ...], change: tuple[str, Any] 
 def fuzzed(tiny_model_dir: Path) -> Iterator[tuple[ReferenceServer, Engine]]:
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=640)  # small: any long generation is refused
     server = ReferenceServer(engine, io_timeout=5.0)
-    server.start_in_background()
-    try:
+    with server.running():
         yield server, engine
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def exchange(server: ReferenceServer, raw: bytes) -> tuple[int, bytes]:

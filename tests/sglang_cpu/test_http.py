@@ -101,12 +101,8 @@ def sglang_url(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.Te
 @pytest.fixture(scope="module")
 def reference_url(tiny_qwen3: Path) -> Iterator[str]:
     server = ReferenceServer(Engine(tiny_qwen3, name="default", kv_slots=4096))
-    server.start_in_background()
-    try:
+    with server.running():
         yield server.url
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture(scope="module")

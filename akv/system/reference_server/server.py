@@ -14,6 +14,8 @@ import queue
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -63,6 +65,16 @@ class ReferenceServer(ThreadingHTTPServer):
         thread = threading.Thread(target=self.serve_forever, name="akv-reference-server", daemon=True)
         thread.start()
         return thread
+
+    @contextmanager
+    def running(self) -> Iterator[ReferenceServer]:
+        """Serve from a daemon thread for the ``with`` block; shut down and closed after it."""
+        self.start_in_background()
+        try:
+            yield self
+        finally:
+            self.shutdown()
+            self.server_close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away or timed out is one log line; anything else keeps its traceback."""
