@@ -4,7 +4,8 @@
 # Fills the ignored folder .devkit/ with what tools/gpu/run.sh needs on the H200:
 #   .devkit/site-py312.tar.xz, MANIFEST.txt  SGLang 0.5.16 + runtime closure for CPython 3.12
 #                                            (devicekit's build-wheelhouse.sh; cached, ~1.5 min cold)
-#   .devkit/jitcache.tar.xz                  kernels compiled on an H200 (from devicekit)
+#   .devkit/jitcache.tar.xz                  kernels compiled on an H200 (from devicekit; left out when
+#                                            .devkit/jitcache-akv.tar.xz, a later run's, is there)
 #   .devkit/overlay/sglang/...               the files the AKV build changes, from the patched
 #                                            cp312 wheel (python -m akv.system._build), copied over
 #                                            the extracted site on the device
@@ -35,6 +36,10 @@ mkdir -p "$KIT"
 for f in "$DEVICEKIT"/*; do
   cmp -s "$f" "$KIT/$(basename "$f")" || cp -f "$f" "$KIT/"
 done
+if [ -f "$KIT/jitcache-akv.tar.xz" ]; then  # brought back by run.sh SAVE_JIT_CACHE=1: holds devicekit's too
+  step "jitcache: .devkit/jitcache-akv.tar.xz in place of devicekit's jitcache.tar.xz"
+  rm -f "$KIT/jitcache.tar.xz"
+fi
 
 if [ "${FORCE_WHEELHOUSE:-0}" != 1 ] && [ -f "$KIT/site-py312.tar.xz" ] && [ -f "$KIT/MANIFEST.txt" ] \
    && [ "$KIT/site-py312.tar.xz" -nt "$KIT/build-wheelhouse.sh" ] \

@@ -12,8 +12,9 @@
 #
 # Files left in $OUT (at most 8 come back): log.txt (the caller's tee), summary.json (times,
 # statuses, smoke results), pytest-gpu.log, server.log, extra.tar.gz (env.txt, junit xml, model
-# configs, bench logs), bench.tar.gz (what benchmarks wrote to $AKV_BENCH_OUT), jitcache.tar.xz
-# (only with SAVE_JIT_CACHE=1).
+# configs, bench logs), bench.tar.gz (what benchmarks wrote to $AKV_BENCH_OUT), jitcache-akv.tar.xz
+# (only with SAVE_JIT_CACHE=1: every kernel compiled or carried, to be copied into .devkit/ and carried
+# next time).
 #
 # Knobs: AKV_BENCH / AKV_BENCH_LIVE  space-separated scripts, each run as `python SCRIPT` with
 #          SGLANG_BASE_URL (live only), AKV_TINY_MODEL, AKV_MODEL_8B, AKV_BENCH_OUT exported
@@ -73,7 +74,10 @@ finish() {
   for m in "$TINY" "$M8B"; do [ -f "$m/config.json" ] && cp "$m/config.json" "$WORK/logs/$(basename "$m")-config.json"; done
   tar -C "$WORK/logs" -czf "$OUT/extra.tar.gz" . 2>/dev/null
   if [ -n "$(ls -A "$AKV_BENCH_OUT" 2>/dev/null)" ]; then tar -C "$AKV_BENCH_OUT" -czf "$OUT/bench.tar.gz" .; fi
-  if [ "${SAVE_JIT_CACHE:-0}" = 1 ]; then tar -C "$CACHE" -cJf "$OUT/jitcache.tar.xz" .; fi
+  if [ "${SAVE_JIT_CACHE:-0}" = 1 ]; then  # loadable modules only: carried ones are never rebuilt
+    tar -C "$CACHE" --exclude='*.o' --exclude='.ninja_deps' --exclude='generated' -cf - . | xz -T0 -6 \
+      > "$OUT/jitcache-akv.tar.xz"
+  fi
   python3 - "$OUT" "$WORK/smoke.json" <<PY
 import json, os, sys
 out, smoke = sys.argv[1], sys.argv[2]
@@ -119,8 +123,25 @@ install_site() {
   fi
   cp -a "$KIT/overlay/." "$SITE/" || return 12
   find "$SITE/sglang" -name __pycache__ -prune -exec rm -rf {} + 2>/dev/null
-  if [ -f "$KIT/jitcache.tar.xz" ]; then tar -xJf "$KIT/jitcache.tar.xz" -C "$CACHE" || return 13; fi
-  return 0
+  local jit
+  for jit in "$KIT/jitcache.tar.xz" "$KIT/jitcache-akv.tar.xz"; do
+    if [ -f "$jit" ]; then tar -xJf "$jit" -C "$CACHE" || return 13; fi
+  done
+  install_flashinfer_aot
+}
+
+install_flashinfer_aot() {
+  # FlashInfer runs ninja before loading a JIT module, and ninja rebuilds every carried module: the
+  # site's headers are dated when the archive was built, later than the carried objects. A module
+  # in FlashInfer's AOT folder is loaded as it is, so the carried ones go there.
+  local so name
+  for so in "$CACHE"/flashinfer/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] || continue
+    name=$(basename "$(dirname "$so")")
+    [ "$(basename "$so")" = "$name.so" ] || continue
+    mkdir -p "$SITE/flashinfer/data/aot/$name" && cp -f "$so" "$SITE/flashinfer/data/aot/$name/" || return 14
+  done
+  echo "flashinfer AOT modules: $(ls "$SITE/flashinfer/data/aot" 2>/dev/null | wc -l)"
 }
 timed install install_site || exit 10
 export PYTHONPATH="$SITE:$ROOT"

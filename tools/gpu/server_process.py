@@ -25,14 +25,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def unpack_stock_site(target: Path) -> Path:
-    """Stock SGLang 0.5.16 in ``target``: the carried site archive unpacked without the AKV overlay
-    (on the H200; done once)."""
+RUN_SITE = Path("/tmp/site")
+"""The patched site tools/gpu/run.sh installs on the H200."""
+
+
+def unpack_stock_site(target: Path, shared: Path = RUN_SITE) -> Path:
+    """Stock SGLang 0.5.16 in ``target`` (on the H200; done once): the carried archive's ``sglang``
+    without the AKV overlay, and every other package a link to ``shared``'s. FlashInfer builds its
+    kernels under paths resolved through the links, so both servers load the same carried or
+    compiled modules instead of each rebuilding the other's."""
     if not (target / "sglang").is_dir():
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run(f"xz -T0 -dc {shlex.quote(str(ROOT / '.devkit' / 'site-py312.tar.xz'))} | "
-                       f"tar -x -C {shlex.quote(str(target))}", shell=True, check=True)
+                       f"tar -x -C {shlex.quote(str(target))} --wildcards './sglang/*' './sglang-*.dist-info/*'",
+                       shell=True, check=True)
+        link_packages(target, shared)
     return target
+
+
+def link_packages(target: Path, shared: Path) -> None:
+    """Link every entry of ``shared`` that ``target`` lacks into ``target``."""
+    for entry in shared.iterdir():
+        if not os.path.lexists(target / entry.name):
+            (target / entry.name).symlink_to(entry)
 
 
 def pip_target(wheel: Path, target: Path) -> None:
