@@ -12,9 +12,10 @@ aborted (``/abort_request``), so requests that reach the scheduler staggered (ea
 provenance runs before it is sent on) cost no fixed token
 budget. The step time is B over the generation throughput of those lines (median, the first line at
 B skipped: it spans the ramp); the lines' ``cuda graph`` flag is kept beside it. The plain burst (after
-the first live length) is 16 distinct prompts sent at once, alternating patched and stock
-``--bursts`` times (median output tokens/s each). The attention floor at H200 bandwidth is about
-30.7 us per 1K live tokens per request per step.
+the first live length) is 16 distinct prompts sent at once, an untimed one on each server, then
+``--bursts`` rounds of fresh prompts, the server that goes first alternating; its ratio is the
+median of the rounds' patched / stock output tokens/s (``AKV_DECODE_LIVE=""``: the burst only). The
+attention floor at H200 bandwidth is about 30.7 us per 1K live tokens per request per step.
 
 H200 (one device call, carry [".devkit"]):
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_decode_bench.py" DEADLINE_S=530 \\
@@ -67,9 +68,10 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = 60) -> Any:
     return json.loads(raw) if raw.strip() else None
 
 
-def stream(url: str, body: dict[str, Any], tokens: int, stop: threading.Event | None = None) -> int:
+def stream(url: str, body: dict[str, Any], tokens: int, stop: threading.Event | None = None,
+           first: list[float] | None = None) -> int:
     """Stream one chat request; the number of output chunks received. An error chunk raises unless
-    ``stop`` is set (the request was aborted on purpose)."""
+    ``stop`` is set (the request was aborted on purpose); ``first`` gets the time of the first chunk."""
     full = {"model": "default", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "tools": TOOLS, **body}
     request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(full).encode(),
@@ -85,7 +87,10 @@ def stream(url: str, body: dict[str, Any], tokens: int, stop: threading.Event | 
                 if stop is not None and stop.is_set():
                     break
                 raise RuntimeError(f"server error: {json.dumps(chunk)[:400]}")
-            chunks += bool(chunk.get("choices"))
+            if chunk.get("choices"):
+                chunks += 1
+                if chunks == 1 and first is not None:
+                    first.append(time.perf_counter())
     return chunks
 
 
@@ -159,12 +164,32 @@ def burst_bodies(tokenizer: Any, n: int, seed: int) -> list[dict[str, Any]]:
     return bodies
 
 
-def burst(url: str, bodies: list[dict[str, Any]], tokens: int) -> float:
-    """Output tokens per second over distinct plain requests sent at once."""
+def burst(url: str, bodies: list[dict[str, Any]], tokens: int) -> dict[str, float]:
+    """Output tokens per second over distinct plain requests sent at once, and when their first
+    tokens came (median and last, seconds from the start)."""
+    firsts: list[float] = []
     started = time.perf_counter()
     with ThreadPoolExecutor(len(bodies)) as pool:
-        chunks = list(pool.map(lambda body: stream(url, body, tokens), bodies))
-    return sum(chunks) / (time.perf_counter() - started)
+        chunks = list(pool.map(lambda body: stream(url, body, tokens, first=firsts), bodies))
+    wall = time.perf_counter() - started
+    return {"tokens_per_s": sum(chunks) / wall, "wall_s": round(wall, 3),
+            "ttft_median_s": round(statistics.median(firsts) - started, 3), "ttft_last_s": round(max(firsts) - started, 3)}
+
+
+def burst_rounds(urls: dict[str, str], tokenizer: Any, rounds: int) -> dict[str, Any]:
+    """A warm-up burst on each server, then ``rounds`` bursts of fresh prompts (the same prompts for
+    both), the first server alternating; the ratio is the median of the rounds' patched / stock."""
+    warm = burst_bodies(tokenizer, 16, 700)
+    for url in urls.values():
+        burst(url, warm, 128)
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in urls}
+    for r in range(rounds):
+        bodies = burst_bodies(tokenizer, 16, 900 + 100 * r)
+        for side in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+            runs[side].append(burst(urls[side], bodies, 128))
+        print(f"burst round {r}: " + ", ".join(f"{side} {runs[side][-1]}" for side in urls), flush=True)
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["patched"], runs["stock"])]
+    return {"runs": runs, "round_ratios": ratios, "ratio": statistics.median(ratios)}
 
 
 def main() -> int:
@@ -176,7 +201,8 @@ def main() -> int:
     parser.add_argument("--batches", default=os.environ.get("AKV_DECODE_BATCHES", "1 8 16"))
     parser.add_argument("--lines", type=int, default=int(os.environ.get("AKV_DECODE_LINES", "4")),
                         help="decode log lines (20 steps each) at exactly B per measurement")
-    parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "2")))
+    parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "6")),
+                        help="plain-burst rounds after the first live length (with --live '': the only measurement)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -237,15 +263,10 @@ def main() -> int:
                     print(key, report["runs"][key], flush=True)
                     save()
 
-        decode(lives[0])
-        rounds: dict[str, list[float]] = {"patched": [], "stock": []}
-        for r in range(args.bursts):
-            bodies = burst_bodies(tokenizer, 16, 900 + 100 * r)  # fresh prompts per round, the same for both
-            for side in rounds:
-                rounds[side].append(burst(servers[side].url, bodies, 128))
-            report["plain_burst_tokens_per_s"] = rounds
-            save()
-        print("burst", rounds, flush=True)
+        if lives:
+            decode(lives[0])
+        report["plain_burst"] = burst_rounds({side: servers[side].url for side in servers}, tokenizer, args.bursts)
+        save()
         for live in lives[1:]:
             decode(live)
     finally:
@@ -260,9 +281,8 @@ def main() -> int:
                                              "patched_ms": mine, "stock_ms": base,
                                              "attention_floor_ms": batch * n_live / 1000 * FLOOR_US_PER_1K / 1000}
         report["ratios"] = ratios
-        bursts = report.get("plain_burst_tokens_per_s", {})
-        if bursts.get("patched") and bursts.get("stock"):
-            report["plain_burst_ratio"] = statistics.median(bursts["patched"]) / statistics.median(bursts["stock"])
+        if "plain_burst" in report:
+            report["plain_burst_ratio"] = report["plain_burst"]["ratio"]
         save()
         print(json.dumps({k: report.get(k) for k in ("ratios", "plain_burst_ratio")}), flush=True)
     ok = all(r["ratio"] is not None for r in ratios.values()) and "plain_burst_ratio" in report
