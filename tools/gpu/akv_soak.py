@@ -30,14 +30,17 @@ idle gauges refresh every 30 s) -- a leak is a failure; every sampled pair withi
 
 Device call (carry [".devkit"] after tools/gpu/prepare.sh; timeout_s 600). Estimate: run.sh's install,
 import check and models ~80 s; here the 8B random weights ~60-90 s (16 GiB drawn on the GPU, written
-in 4 GiB shards), the server ~60-90 s (FlashInfer, carried kernels) with the reference loading beside
-it, traffic until ~75 s before the deadline (AKV_SOAK_DEADLINE_S, default 470 s from this script's
-start: ~200-250 s of traffic), then idle + flush + the idle gauges' refresh ~40 s; ~9 minutes in all::
+in 4 GiB shards), the server ~60-90 s (FlashInfer, carried kernels) with the reference (~43 GB: FP32
+weights and KV) loading beside it, the 10 waves (~15-25 s each, reference samples included) until at
+most ~100 s before the deadline (AKV_SOAK_DEADLINE_S, default 470 s from this script's start; when run
+after another bench, set it to what is left), then idle + flush + the idle gauges' refresh (~35 s) and
+the copies wave; ~9 minutes in all. A wave whose replies do not come in 240 s ends the traffic::
 
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_soak.py" DEADLINE_S=560 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 
 CPU dry run (the same flow: tiny random Qwen3 in sharded files, the CPU patched server FP32, the
-CPU reference server, a 768-token pool, no tools in the requests; ~4 minutes)::
+CPU reference server, a 768-token pool, 3 agents + 2 branches over 6 turns, no tools in the requests;
+~4 minutes on two idle cores, twice that on a loaded machine)::
 
     python tools/gpu/akv_soak.py --dry-run [--work DIR] [--out DIR]
 """
@@ -110,7 +113,7 @@ GPU = Scale(agents=12, turns=10, result_tokens=(300, 1500), pool=40000, max_toke
             wave_timeout_s=240.0)
 CPU = Scale(agents=3, turns=6, result_tokens=(10, 30), pool=768, max_tokens=4, fork=2, branches=2, retries=2,
             soak_s=600.0, deadline_s=1200.0, reference_slots=8192, reference_chunk=None, tools=False,
-            wave_timeout_s=90.0)
+            wave_timeout_s=240.0)
 """The dry run leaves the tools out of the requests (their ~350-token block would dominate the tiny
 model's prompts and the CPU's time); the GPU run sends them."""
 DRY_SHAPE = {"shard_bytes": 64 << 10}
@@ -349,7 +352,8 @@ def pool_svg(samples: list[dict[str, Any]], pool: int, marks: list[tuple[float, 
                              f'{escape(label)}</text>')
         for k, (name, key) in enumerate(series.items()):
             points = " ".join(f"{left + plot_w * s['t'] / t_max:.1f},"
-                              f"{y0 + top + plot_h - plot_h * min(s[key], y_max) / y_max:.1f}" for s in samples if key in s)
+                              f"{y0 + top + plot_h - plot_h * min(s[key], y_max) / y_max:.1f}"
+                              for s in samples if key in s)
             parts.append(f'<polyline fill="none" stroke="{colours[k]}" stroke-width="1.5" points="{points}"/>')
             ly = y0 + top + 14 * k + 8
             parts.append(f'<line x1="{width - right + 8}" y1="{ly}" x2="{width - right + 26}" y2="{ly}" '
@@ -418,11 +422,13 @@ class Soak:
             jobs = [Job(f"{lane.name}-t{turn}", lane.body(), stream=(k + turn) % 2 == 1)
                     for k, lane in enumerate(lanes)]
             if turn == s.fork:
-                jobs += [Job(f"agent{i}-t{turn}-retry", agents[i].body(), "retry") for i in range(s.retries)]
-            context = [lane for lane in lanes if lane.drops]
+                jobs += [Job(f"{lane.name}-t{turn}-retry", lane.body(), "retry") for lane in agents[: s.retries]]
+            retried = agents[: s.retries] if turn == s.fork else []
+            context = [lane for lane in lanes if lane.drops and lane not in retried]
             sample_lane = (context or lanes)[turn % len(context or lanes)]
             if turn >= 1:  # a copy of another lane's request: no lane has more than two copies in flight
-                cut = next(lane for lane in lanes[turn % len(lanes):] + lanes if lane is not sample_lane)
+                cut = next(lane for lane in lanes[turn % len(lanes):] + lanes
+                           if lane is not sample_lane and lane not in retried)
                 jobs.append(Job(f"{cut.name}-t{turn}-disconnect", cut.body(), "disconnect"))
             if turn == 1:
                 jobs.append(Job("bad-misspelt-field", {**agents[0].body(), "drop_messages": {"1": [0]}}, "bad",
