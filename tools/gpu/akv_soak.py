@@ -630,7 +630,11 @@ def make_model(args: argparse.Namespace, log: Any) -> Path:
     if index.exists() and all((folder / f).exists() for f in set(json.loads(index.read_text())["weight_map"].values())):
         log(f"{folder}: reusing the weights written before")
         return folder
-    return make_models.make_qwen3_8b_random(folder, seed=0, log=log)
+    import torch
+
+    made = make_models.make_qwen3_8b_random(folder, seed=0, log=log)
+    torch.cuda.empty_cache()  # the drawing buffers: free before the server sizes its pool
+    return made
 
 
 def load_reference(model: Path, scale: Scale, device: str, into: dict[str, Any]) -> None:
