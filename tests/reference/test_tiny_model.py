@@ -131,3 +131,24 @@ def test_bfloat16_weights_and_config(tmp_path: Path) -> None:
 def test_bad_arguments_name_the_field(tmp_path: Path, kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_tiny_model(tmp_path, **kwargs)  # type: ignore[arg-type]
+
+
+def test_sharded_weights_load_in_transformers_and_repeat_per_seed(tmp_path: Path) -> None:
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "vocab_size": 600,
+             "tie_word_embeddings": False}
+    lines: list[str] = []
+    out = make_tiny_model(tmp_path / "a", seed=5, dtype="bfloat16", shard_bytes=100_000, log=lines.append, **shape)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) == len(lines) >= 3 and set(index["weight_map"].values()) == {p.name for p in shards}
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    stored = {k: v for p in shards for k, v in load_file(str(p)).items()}
+    assert set(stored) == set(index["weight_map"]) == set(model.state_dict())
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    assert abs(float(stored["model.norm.weight"].float().mean()) - 1.0) < 0.05
+    assert abs(float(stored["lm_head.weight"].float().std()) - 2 * 128**-0.5) < 0.01
+    again = make_tiny_model(tmp_path / "b", seed=5, dtype="bfloat16", shard_bytes=100_000, **shape)
+    other = make_tiny_model(tmp_path / "c", seed=6, dtype="bfloat16", shard_bytes=100_000, **shape)
+    assert all((again / p.name).read_bytes() == p.read_bytes() for p in shards)
+    assert (other / shards[0].name).read_bytes() != shards[0].read_bytes()

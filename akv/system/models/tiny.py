@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -118,12 +119,20 @@ def make_tiny_model(
     max_position_embeddings: int = 32768,
     dtype: Literal["float32", "bfloat16"] = "float32",
     weights: bool = True,
+    shard_bytes: int | None = None,
+    device: str = "cpu",
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Write config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
     special_tokens_map.json and (with ``weights``) model.safetensors into ``out_dir``; return it.
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads`` (Qwen2 requires exactly that).
-    The tokenizer has exactly ``vocab_size`` entries, so every id the model can emit decodes."""
+    The tokenizer has exactly ``vocab_size`` entries, so every id the model can emit decodes.
+
+    With ``shard_bytes``, the weights are drawn tensor by tensor on ``device`` (one generator per
+    tensor, seeded from ``seed``: the same seed and device type give the same bytes; the draws differ
+    from the single-file ones) and written as shards of about ``shard_bytes`` with a
+    ``model.safetensors.index.json``, ``log`` told of each shard: what a full-size model needs."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     if dtype not in ("float32", "bfloat16"):
@@ -149,7 +158,9 @@ def make_tiny_model(
     _write_json(out / "generation_config.json", _generation_config(ids))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(ids, max_position_embeddings))
     _write_json(out / "special_tokens_map.json", _special_tokens_map())
-    if weights:
+    if weights and shard_bytes is not None:
+        write_sharded_weights(out, arch, shape, tie_word_embeddings, seed, dtype, shard_bytes, device, log)
+    elif weights:
         _write_weights(out / "model.safetensors", arch, shape, tie_word_embeddings, seed, dtype)
     return out
 
@@ -374,3 +385,78 @@ def _write_weights(path: Path, arch: str, shape: TinyShape, tied: bool, seed: in
         tensors["lm_head.weight"] = 2.0 * matrix(shape.vocab_size, hidden)
     target = torch.float32 if dtype == "float32" else torch.bfloat16
     save_file({name: t.to(target).contiguous() for name, t in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def weight_specs(arch: str, shape: TinyShape, tied: bool) -> list[tuple[str, tuple[int, ...], str]]:
+    """(HF tensor name, shape, distribution) of every weight, in file order; distributions as in
+    :func:`_write_weights`: ``matrix`` N(0, 1/fan_in), ``embedding`` N(0, 0.25^2), ``norm``
+    1 + N(0, 0.1^2), ``bias`` N(0, 0.1^2), ``head`` N(0, 4/fan_in)."""
+    hidden, inter, head = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    n_q, n_kv = shape.num_attention_heads * head, shape.num_key_value_heads * head
+    specs = [("model.embed_tokens.weight", (shape.vocab_size, hidden), "embedding")]
+    for layer in range(shape.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        specs += [(p + "input_layernorm.weight", (hidden,), "norm"),
+                  (p + "self_attn.q_proj.weight", (n_q, hidden), "matrix"),
+                  (p + "self_attn.k_proj.weight", (n_kv, hidden), "matrix"),
+                  (p + "self_attn.v_proj.weight", (n_kv, hidden), "matrix")]
+        if arch == "qwen2":
+            specs += [(p + f"self_attn.{x}_proj.bias", (n,), "bias") for x, n in (("q", n_q), ("k", n_kv), ("v", n_kv))]
+        if arch == "qwen3":
+            specs += [(p + "self_attn.q_norm.weight", (head,), "norm"),
+                      (p + "self_attn.k_norm.weight", (head,), "norm")]
+        specs += [(p + "self_attn.o_proj.weight", (hidden, n_q), "matrix"),
+                  (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+                  (p + "mlp.gate_proj.weight", (inter, hidden), "matrix"),
+                  (p + "mlp.up_proj.weight", (inter, hidden), "matrix"),
+                  (p + "mlp.down_proj.weight", (hidden, inter), "matrix")]
+    specs.append(("model.norm.weight", (hidden,), "norm"))
+    if not tied:
+        specs.append(("lm_head.weight", (shape.vocab_size, hidden), "head"))
+    return specs
+
+
+def write_sharded_weights(out: Path, arch: str, shape: TinyShape, tied: bool, seed: int, dtype: str, shard_bytes: int,
+                          device: str = "cpu", log: Callable[[str], None] | None = None) -> list[Path]:
+    """``model-0000k-of-0000n.safetensors`` shards of about ``shard_bytes`` each and their index, the
+    tensors drawn one at a time on ``device`` (see :func:`make_tiny_model`); returns the shard paths."""
+    import torch
+    from safetensors.torch import save_file
+
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    target = torch.float32 if dtype == "float32" else torch.bfloat16
+    width = torch.tensor([], dtype=target).element_size()
+    specs = weight_specs(arch, shape, tied)
+    groups: list[list[int]] = [[]]
+    size = 0
+    for index, (_, dims, _) in enumerate(specs):
+        n_bytes = width * int(torch.Size(dims).numel())
+        if groups[-1] and size + n_bytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += n_bytes
+    weight_map: dict[str, str] = {}
+    paths = []
+    for k, group in enumerate(groups):
+        name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {specs[i][0]: _draw(specs[i][1], specs[i][2], seed * 1_000_003 + i, device).to(target).cpu()
+                   for i in group}
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        paths.append(out / name)
+        if log is not None:
+            log(f"{out.name}: wrote {name} ({sum(t.numel() for t in tensors.values()) * width / 2**30:.2f} GiB)")
+    total = sum(width * int(torch.Size(dims).numel()) for _, dims, _ in specs)
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return paths
+
+
+def _draw(dims: tuple[int, ...], kind: str, seed: int, device: str) -> Any:
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(dims, generator=gen, device=device)
+    scale = {"embedding": 0.25, "norm": 0.1, "bias": 0.1, "matrix": dims[-1] ** -0.5, "head": 2 * dims[-1] ** -0.5}
+    return 1.0 + scale[kind] * x if kind == "norm" else scale[kind] * x

@@ -17,8 +17,9 @@ from akv.system.reference.paged import forward_paged
 
 @dataclass(frozen=True)
 class PagedKV:
-    """Per-layer K (stored rotated) and V pools, ``[n_slots, kv_heads, head_dim]``; slot 0 is padding.
-    ``positions[slot]`` is the position the slot's K is rotated at (-1 before any write)."""
+    """Per-layer K (stored rotated) and V pools, ``[n_slots, kv_heads, head_dim]`` on the model's device;
+    slot 0 is padding. ``positions[slot]`` (on the CPU) is the position the slot's K is rotated at (-1
+    before any write)."""
 
     k: tuple[torch.Tensor, ...]
     v: tuple[torch.Tensor, ...]
@@ -26,10 +27,10 @@ class PagedKV:
 
     @classmethod
     def empty(cls, model: ReferenceModel, n_slots: int, dtype: torch.dtype = torch.float32) -> PagedKV:
-        c = model.config
+        c, device = model.config, model.device
         shape = (n_slots, c.num_kv_heads, c.head_dim)
-        return cls(tuple(torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)),
-                   tuple(torch.zeros(shape, dtype=dtype) for _ in range(c.num_layers)),
+        return cls(tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)),
+                   tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_layers)),
                    torch.full((n_slots,), -1, dtype=torch.int64))
 
 
@@ -37,12 +38,14 @@ def run_copies(model: ReferenceModel, kv: PagedKV, job: CopyJob) -> None:
     """Every layer: ``k[dst] = R(new) R(old)^-1 k[src]`` in FP32 (the model's RoPE), ``v[dst] = v[src]``."""
     if job.size == 0:
         return
-    src, dst = torch.from_numpy(job.src.copy()), torch.from_numpy(job.dst.copy())
+    device = model.device
+    src, dst = torch.from_numpy(job.src.copy()).to(device), torch.from_numpy(job.dst.copy()).to(device)
     old, new = torch.from_numpy(job.old_positions.copy()), torch.from_numpy(job.new_positions.copy())
+    old_d, new_d = old.to(device), new.to(device)
     for k, v in zip(kv.k, kv.v):
-        k[dst] = model.rerotate_keys(k[src], old, new).to(k.dtype)
+        k[dst] = model.rerotate_keys(k[src], old_d, new_d).to(k.dtype)
         v[dst] = v[src]
-    kv.positions[dst] = new
+    kv.positions[torch.from_numpy(job.dst.copy())] = new
 
 
 def run_prefill(model: ReferenceModel, program: ContextProgram, plan: RequestPlan, kv: PagedKV,
@@ -91,4 +94,4 @@ def run_decode(model: ReferenceModel, plan: RequestPlan, kv: PagedKV, token_ids:
             torch.from_numpy(visible),
             slot_positions=kv.positions,
         )[0])
-    return torch.stack(rows) if rows else torch.zeros(0, model.config.vocab_size)
+    return torch.stack(rows) if rows else torch.zeros(0, model.config.vocab_size, device=model.device)

@@ -122,10 +122,12 @@ def _positive_int(raw: dict[str, Any], name: str) -> int:
 class GptOssReferenceModel:
     """Weights plus the per-layer pieces of the gpt-oss forward pass, computed in ``dtype``."""
 
-    def __init__(self, config: GptOssConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, config: GptOssConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.config = config
         self.dtype = dtype
-        self._w = {name: t.to(dtype) for name, t in weights.items()}
+        self.device = torch.device(device)
+        self._w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         missing = sorted(set(self._expected_names()) - set(self._w))
         if missing:
             raise ConfigError(f"weights are missing tensors for gpt_oss: {missing[:5]}")
@@ -137,10 +139,11 @@ class GptOssReferenceModel:
         self.mscale = yarn.mscale if yarn is not None else 1.0
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> GptOssReferenceModel:
-        """Load config.json and every ``*.safetensors`` file of an HF gpt-oss directory."""
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> GptOssReferenceModel:
+        """Load config.json and every ``*.safetensors`` file of an HF gpt-oss directory onto ``device``."""
         raw, weights = read_model_dir(path)
-        return cls(GptOssConfig.from_dict(raw), weights, dtype)
+        return cls(GptOssConfig.from_dict(raw), weights, dtype, device)
 
     def _expected_names(self) -> list[str]:
         c = self.config

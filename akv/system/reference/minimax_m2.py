@@ -107,10 +107,11 @@ class MiniMaxM2Model(ReferenceModel):
     config: MiniMaxM2Config
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> MiniMaxM2Model:
-        """Load config.json and every ``*.safetensors`` file of a MiniMax-M2 model directory."""
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> MiniMaxM2Model:
+        """Load config.json and every ``*.safetensors`` file of a MiniMax-M2 model directory onto ``device``."""
         raw, weights = read_model_dir(path)
-        return cls(MiniMaxM2Config.from_dict(raw), weights, dtype)
+        return cls(MiniMaxM2Config.from_dict(raw), weights, dtype, device)
 
     def _expected_names(self) -> list[str]:
         c = self.config

@@ -141,24 +141,26 @@ def read_model_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
 
 
 def embed_tokens(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Rows of the embedding ``table`` for ``token_ids`` (1-D, each in range)."""
-    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    """Rows of the embedding ``table`` for ``token_ids`` (1-D, each in range), on the table's device."""
+    ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
     if ids.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
     vocab = table.shape[0]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         bad = ids[(ids < 0) | (ids >= vocab)][0].item()
         raise ValueError(f"token_ids must be in [0, {vocab}), got {bad}")
-    return table[ids]
+    return table[ids.to(table.device)]
 
 
 class ReferenceModel:
-    """Weights plus the per-layer pieces of the forward pass, all computed in ``dtype``."""
+    """Weights plus the per-layer pieces of the forward pass, all computed in ``dtype`` on ``device``."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.config = config
         self.dtype = dtype
-        self._w = {name: t.to(dtype) for name, t in weights.items()}
+        self.device = torch.device(device)
+        self._w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         missing = sorted(set(self._expected_names()) - set(self._w))
         if missing:
             raise ConfigError(f"weights are missing tensors for {config.arch}: {missing[:5]}")
@@ -166,10 +168,11 @@ class ReferenceModel:
             self._w["lm_head.weight"] = self._w["model.embed_tokens.weight"]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
-        """Load config.json and every ``*.safetensors`` file of an HF model directory."""
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> ReferenceModel:
+        """Load config.json and every ``*.safetensors`` file of an HF model directory onto ``device``."""
         raw, weights = read_model_dir(path)
-        return cls(ModelConfig.from_dict(raw), weights, dtype)
+        return cls(ModelConfig.from_dict(raw), weights, dtype, device)
 
     def _expected_names(self) -> list[str]:
         c = self.config

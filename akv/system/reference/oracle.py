@@ -99,7 +99,7 @@ class OracleResult:
     def final_kv(self, model: ReferenceModel, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a cache must hold for ``layer`` after the last event: the kept tokens, their keys
         rotated to their final positions, and their values."""
-        kept = self.layout.keep.nonzero().flatten()
+        kept = self.layout.keep.nonzero().flatten().to(self.raw_k[layer].device)
         keys = model.rotate(self.raw_k[layer][kept], self.layout.final_position[kept])
         return kept, keys, self.v[layer][kept]
 
@@ -182,10 +182,10 @@ def run_oracle(
         raise ValueError(f"token_ids must be 1-D, got shape {tuple(ids.shape)}")
     n = int(ids.shape[0])
     layout = simulate_layout(n, events)
-    c = model.config
-    raw_k = [torch.zeros(n, c.num_kv_heads, c.head_dim, dtype=model.dtype) for _ in range(c.num_layers)]
-    values = [torch.zeros(n, c.num_kv_heads, c.head_dim, dtype=model.dtype) for _ in range(c.num_layers)]
-    logits = torch.zeros(n, c.vocab_size, dtype=torch.float32)
+    c, device = model.config, model.device
+    raw_k = [torch.zeros(n, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=device) for _ in range(c.num_layers)]
+    values = [torch.zeros(n, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=device) for _ in range(c.num_layers)]
+    logits = torch.zeros(n, c.vocab_size, dtype=torch.float32, device=device)
     with torch.no_grad():
         for stage in range(layout.n_stages):
             block = (layout.birth_stage == stage).nonzero().flatten()
@@ -193,11 +193,13 @@ def run_oracle(
                 continue
             start, end = int(block[0]), int(block[-1]) + 1
             earlier = (layout.stage_positions[stage, :start] >= 0).nonzero().flatten()
-            key_positions = torch.cat((layout.stage_positions[stage, earlier], layout.birth_position[start:end]))
-            query_positions = layout.birth_position[start:end]
+            key_positions = torch.cat((layout.stage_positions[stage, earlier],
+                                       layout.birth_position[start:end])).to(device)
+            query_positions = layout.birth_position[start:end].to(device)
             m = end - start
             visible = torch.cat((torch.ones(m, earlier.numel(), dtype=torch.bool),
-                                 torch.ones(m, m, dtype=torch.bool).tril()), dim=1)
+                                 torch.ones(m, m, dtype=torch.bool).tril()), dim=1).to(device)
+            earlier = earlier.to(device)
             hidden = model.embed(ids[start:end])
             for layer in range(c.num_layers):
                 inputs = model.attention_inputs(layer, hidden)

@@ -29,15 +29,18 @@ def forward_paged(
     ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` (its own slot and earlier new tokens' slots included
     for causal attention; dropped keys are simply not listed).
 
-    ``slot_positions`` (int64 ``[slots]``, updated in place at ``out_slots``) holds the position each
-    slot's K is rotated at; models with sliding-window layers need it to know how far back a key is."""
+    ``slot_positions`` (int64 ``[slots]`` on the CPU, updated in place at ``out_slots``) holds the position each
+    slot's K is rotated at; models with sliding-window layers need it to know how far back a key is.
+
+    The pools live on the model's device; the index arguments may live anywhere (they are checked on
+    the CPU and moved to the model's device for the forward); the logits come back on the model's device."""
     c = model.config
-    ids = torch.as_tensor(token_ids, dtype=torch.int64)
+    ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
     n = int(ids.numel())
-    positions = torch.as_tensor(positions, dtype=torch.int64)
-    out_slots = torch.as_tensor(out_slots, dtype=torch.int64)
-    kv_indptr = torch.as_tensor(kv_indptr, dtype=torch.int64)
-    kv_indices = torch.as_tensor(kv_indices, dtype=torch.int64)
+    positions = torch.as_tensor(positions, dtype=torch.int64).cpu()
+    out_slots = torch.as_tensor(out_slots, dtype=torch.int64).cpu()
+    kv_indptr = torch.as_tensor(kv_indptr, dtype=torch.int64).cpu()
+    kv_indices = torch.as_tensor(kv_indices, dtype=torch.int64).cpu()
     n_slots = _check_pools(model, k_pool, v_pool)
     _check_vector("positions", positions, n)
     _check_vector("out_slots", out_slots, n)
@@ -49,12 +52,17 @@ def forward_paged(
     rows = _check_csr(kv_indptr, kv_indices, n, n_slots)
     if slot_positions is not None:
         _check_vector("slot_positions", slot_positions, n_slots)
+        if slot_positions.device.type != "cpu":
+            raise ValueError(f"slot_positions must be a CPU tensor (index bookkeeping), got {slot_positions.device}")
         slot_positions[out_slots] = positions
 
     slots, columns = torch.unique(kv_indices, return_inverse=True)
     key_positions = slot_positions[slots] if slot_positions is not None else torch.full_like(slots, -1)
     visible = torch.zeros(n, slots.numel(), dtype=torch.bool)
     visible[rows, columns] = True
+    device = model.device
+    positions, out_slots, slots = positions.to(device), out_slots.to(device), slots.to(device)
+    visible, key_positions = visible.to(device), key_positions.to(device)
     with torch.no_grad():
         hidden = model.embed(ids)
         for layer in range(c.num_layers):

@@ -27,12 +27,12 @@ def rotate(
     neox: bool = True,
 ) -> torch.Tensor:
     """Rotate ``x[..., tokens, heads, head_dim]`` to ``positions[tokens]`` in FP32 (negative positions
-    rotate backwards). Only the first ``rotary_dim`` features rotate; the rest pass through."""
+    rotate backwards), on ``x``'s device. Only the first ``rotary_dim`` features rotate; the rest pass through."""
     head_dim = x.shape[-1]
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim must be even and in (0, {head_dim}], got {rotary_dim}")
-    cos, sin = cos_sin(positions, rotary_dim, theta)
+    cos, sin = cos_sin(positions.to(x.device), rotary_dim, theta)
     return apply_rotation(x.to(torch.float32), cos[..., None, :], sin[..., None, :], neox=neox)
 
 

@@ -117,7 +117,7 @@ def rotate(
     rotary_dim = 2 * int(inv_freq.shape[0])
     if rotary_dim > x.shape[-1]:
         raise ValueError(f"inv_freq covers {rotary_dim} features, more than head_dim {x.shape[-1]}")
-    cos, sin = cos_sin(positions, inv_freq, work)
+    cos, sin = cos_sin(positions.to(x.device), inv_freq, work)
     return apply_rotation(x.to(work), (cos * scale)[..., None, :], (sin * scale)[..., None, :], neox=neox)
 
 

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--kv-slots", type=int, default=DEFAULT_KV_SLOTS, help="KV cache capacity in tokens")
+    parser.add_argument("--device", default="cpu", help="torch device of the weights and the KV cache (cpu, cuda)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="at most this many prompt tokens per forward")
     parser.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
                         help="seconds a socket read or write may wait before the client is dropped")
     parser.add_argument("--verbose", action="store_true", help="log every HTTP request")
@@ -26,8 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --io-timeout must be positive, got {args.io_timeout}", file=sys.stderr)
         return 2
     try:
-        engine = Engine(args.model, name=args.served_model_name, kv_slots=args.kv_slots)
-    except (ModelDirError, ValueError, OSError) as exc:
+        engine = Engine(args.model, name=args.served_model_name, kv_slots=args.kv_slots, device=args.device,
+                        prefill_chunk=args.prefill_chunk)
+    except (ModelDirError, ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     server = ReferenceServer(engine, args.host, args.port, verbose=args.verbose, io_timeout=args.io_timeout)

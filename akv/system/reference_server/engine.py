@@ -1,5 +1,5 @@
 """The reference engine: render with provenance -> compile -> cache plan -> execute with the
-reference model on the CPU -> sample -> publish the new KV -> usage.
+reference model (on the CPU, or on another torch device) -> sample -> publish the new KV -> usage.
 
 One request at a time (the HTTP layer holds a lock). KV lives in FP32 slot pools shared with the cache
 core's radix tree, so later requests reuse every version whose whole token-and-event history matches.
@@ -66,11 +66,17 @@ class Generation:
 
 
 class Engine:
-    """A model directory served by the reference model, with a radix-tree KV cache of ``kv_slots``."""
+    """A model directory served by the reference model on ``device``, with a radix-tree KV cache of
+    ``kv_slots``; prompts run in forwards of at most ``prefill_chunk`` queries where given (the same
+    arithmetic per query, a smaller attention score matrix)."""
 
-    def __init__(self, model_path: str | Path, *, name: str | None = None, kv_slots: int = DEFAULT_KV_SLOTS) -> None:
+    def __init__(self, model_path: str | Path, *, name: str | None = None, kv_slots: int = DEFAULT_KV_SLOTS,
+                 device: str | torch.device = "cpu", prefill_chunk: int | None = None) -> None:
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
         self.files: ModelDir = load_model_dir(model_path)
-        self.model = load_reference_model(self.files.path, dtype=torch.float32)
+        self.model = load_reference_model(self.files.path, dtype=torch.float32, device=device)
+        self.prefill_chunk = prefill_chunk
         self.model_name = name or self.files.path.name
         self.max_context = self.files.max_context
         self.template = ChatTemplate(self.files.chat_template)
@@ -126,7 +132,7 @@ class Engine:
         try:
             sampler = Sampler(request.sampling)
             tracker = TextTracker(self.files.tokenizer, request.sampling.stop)
-            logits = run_prefill(self.model, program, plan, self.kv)[program.n_tokens - 1]
+            logits = run_prefill(self.model, program, plan, self.kv, self.prefill_chunk)[program.n_tokens - 1]
             terminal_slots = torch.tensor(plan.terminal.slots, dtype=torch.int64)
             while True:
                 step = self._step(logits, sampler)
@@ -184,7 +190,8 @@ class Engine:
             raise
 
     def _step(self, logits: torch.Tensor, sampler: Sampler) -> TokenStep:
-        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        logits = logits.to(device="cpu", dtype=torch.float32)
+        logprobs = torch.log_softmax(logits, dim=-1)
         token = sampler.pick(logits)
         top = torch.topk(logprobs, min(TOP_CANDIDATES, logprobs.numel()))
         return TokenStep(
