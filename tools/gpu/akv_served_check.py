@@ -83,20 +83,22 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def compare(got: dict[str, Any], want: dict[str, Any], tokens: int | None = None) -> dict[str, Any]:
     """Log-prob error over the common prefix of the first ``tokens`` (default all) generated tokens,
-    and the reference's margin at the first differing token (None when all agree)."""
+    and at the first differing token the reference's margin and both tokens (None when all agree)."""
     mine = got["choices"][0]["logprobs"]["content"][:tokens]
     ref = want["choices"][0]["logprobs"]["content"][:tokens]
-    error, margin_at_split, agree = 0.0, None, 0
+    error, margin_at_split, split_tokens, agree = 0.0, None, None, 0
     for a, b in zip(mine, ref):
         error = max(error, abs(a["logprob"] - b["logprob"]))
         if a["token"] != b["token"]:
             top = sorted((t["logprob"] for t in b["top_logprobs"]), reverse=True)
             margin_at_split = top[0] - top[1] if len(top) > 1 else float("inf")
+            split_tokens = {"served": a["token"], "reference": b["token"]}
             break
         agree += 1
     first = abs(mine[0]["logprob"] - ref[0]["logprob"]) if mine and ref else None
     return {"error": error, "first_token_error": first, "agree": agree, "n": len(ref),
-            "margin_at_split": margin_at_split, "usage": got["usage"], "reference_usage": want["usage"]}
+            "margin_at_split": margin_at_split, "split_tokens": split_tokens, "usage": got["usage"],
+            "reference_usage": want["usage"]}
 
 
 def serve_pairs(url: str, reference_url: str, bodies: list[tuple[str, dict[str, Any]]],

@@ -150,12 +150,16 @@ class MiniMaxM2Model(ReferenceModel):
         hidden = hidden + self._linear(attention, p + "self_attn.o_proj")
         return hidden + self._moe(layer, self._rms_norm(hidden, p + "post_attention_layernorm.weight"))
 
-    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k experts by ``sigmoid(gate x) + bias`` and their weights ``sigmoid / sum`` (bias excluded)."""
+    def routing_scores(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 ``sigmoid(gate x)`` per row and expert, and the same plus the routing bias (what chooses)."""
         p = f"model.layers.{layer}.block_sparse_moe."
         scores = torch.sigmoid(torch.nn.functional.linear(x, self._w[p + "gate.weight"]).to(torch.float32))
-        chosen = torch.topk(scores + self._w[p + "e_score_correction_bias"].to(torch.float32), self.config.top_k,
-                            dim=-1).indices
+        return scores, scores + self._w[p + "e_score_correction_bias"].to(torch.float32)
+
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k experts by ``sigmoid(gate x) + bias`` and their weights ``sigmoid / sum`` (bias excluded)."""
+        scores, biased = self.routing_scores(layer, x)
+        chosen = torch.topk(biased, self.config.top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
         return chosen, (weights / weights.sum(dim=-1, keepdim=True)).to(self.dtype)
 
