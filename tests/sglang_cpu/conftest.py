@@ -16,7 +16,8 @@ from akv.system.models.tiny import make_tiny_model
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}
+STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1",
+          "AKV_CHECK_HOST_ROWS": "1"}
 
 
 @pytest.fixture(scope="session")

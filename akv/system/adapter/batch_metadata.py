@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from akv.system.adapter import tp_check
+from akv.system.adapter import host_rows, tp_check
 from akv.system.adapter.device import to_device
 from akv.system.adapter.context_request import VISIBLE_ALWAYS, AkvRequest
 from akv.system.cache.plan import CopyJob
@@ -78,7 +78,9 @@ def before_alloc(batch: Any) -> None:
 
 
 def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
-    """Bind the rounds' births and build the forward's metadata (None for an all-plain batch)."""
+    """Bind the rounds' births and build the forward's metadata (None for an all-plain batch); every
+    request's new slots go to its host row."""
+    host_rows.record(batch.reqs, list(batch.prefix_lens), list(batch.extend_lens), out_cache_loc)
     if not any(getattr(r, "akv", None) is not None for r in batch.reqs):
         return None
     cache = batch.tree_cache
@@ -115,11 +117,13 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
 
 
 def for_decode(batch: Any) -> AkvForward | None:
-    """Before each decode step: terminal views into ``req_to_token`` (once), positions, copies."""
+    """Before each decode step: terminal views into ``req_to_token`` (once), positions, copies; every
+    request's new slot goes to its host row."""
+    seq_lens = batch.seq_lens_cpu.numpy().astype(np.int64)
+    host_rows.record(batch.reqs, (seq_lens - 1).tolist(), [1] * len(batch.reqs), batch.out_cache_loc)
     if not any(getattr(r, "akv", None) is not None for r in batch.reqs):
         return None
     cache = batch.tree_cache
-    seq_lens = batch.seq_lens_cpu.numpy().astype(np.int64)
     offsets, rows, prefix, copies = [], [], [], []
     for req, seq_len in zip(batch.reqs, seq_lens):
         state = getattr(req, "akv", None)

@@ -12,13 +12,16 @@ borrowed prefix slots; SGLang's ``inc_lock_ref`` / ``dec_lock_ref`` take and dro
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from akv.system.adapter import host_rows
 from akv.system.adapter.batch_metadata import VisibilityTable
 from akv.system.adapter.context_request import AkvRequest
+from akv.system.adapter.device import to_device
 from akv.system.adapter.metrics import AkvMetrics
 from akv.system.adapter.window_lists import PositionTable, window_from_radius
 from akv.system.cache.core import CacheCore
@@ -39,6 +42,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import evict_from_tree_cache
 from sglang.srt.runtime_context import get_server_args
 
+_CHECK_HOST_ROWS = os.environ.get("AKV_CHECK_HOST_ROWS") == "1"
+
 
 class AllocatorFreeList:
     """The pool's free list is SGLang's token allocator (slot tensors on the KV device)."""
@@ -55,7 +60,7 @@ class AllocatorFreeList:
         return None if slots is None else slots.cpu().numpy().astype(np.int64)
 
     def give(self, slots: np.ndarray) -> None:
-        self.allocator.free(torch.from_numpy(slots).to(self.allocator.device))
+        self.allocator.free(to_device(slots, self.allocator.device))
 
 
 class RootNode:
@@ -101,6 +106,7 @@ class AkvRadixCache(BasePrefixCache):
         key = params.key
         ids = np.frombuffer(key.raw_token_ids(), dtype=np.int64) if len(key) else np.zeros(0, np.int64)
         slots = self._resident_prefix(ids, key.extra_key or "")
+        host_rows.row_of(params.req).set(0, slots)
         if slots.size == 0:
             return self._result(slots, self.root_node)
         return self._result(slots, PlainLock(slots))
@@ -122,7 +128,7 @@ class AkvRadixCache(BasePrefixCache):
         return match.slots[np.arange(n), exact[:n].argmax(axis=1)].astype(np.int64)
 
     def _result(self, slots: np.ndarray, node: Any) -> MatchResult:
-        indices = torch.from_numpy(slots).to(self.device)
+        indices = to_device(slots, self.device)
         return MatchResult(device_indices=indices, last_device_node=node, last_host_node=node, best_match_node=node)
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -158,17 +164,16 @@ class AkvRadixCache(BasePrefixCache):
             self._cache_unfinished_plain(req)
         elif chunked:
             start = state.next_start(req.extend_range.end)
-            req.prefix_indices = torch.from_numpy(state.prefix_view(start)).to(self.device)
+            req.prefix_indices = to_device(state.prefix_view(start), self.device)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         state = getattr(req, "akv", None)
-        row = self._row(req, kv_len_to_handle)
         if state is None:
-            self._publish_plain(req, row, is_insert)
+            self._publish_plain(req, self._row(req, kv_len_to_handle), is_insert)
             self.dec_lock_ref(req.last_node)
             return
         n = state.program.n_tokens
-        generated = row[n:]
+        generated = self._row(req, kv_len_to_handle, start=n)
         done = n - state.base.n_tokens
         ids = np.asarray(list(req.output_ids)[done : done + generated.size], dtype=np.int64)
         self.core.pool.adopt(generated)
@@ -188,9 +193,10 @@ class AkvRadixCache(BasePrefixCache):
         self.inc_lock_ref(lock)
         self.dec_lock_ref(req.last_node)
         start = req.cache_protected_len
-        fresh = torch.from_numpy(slots[start:]).to(self.device)
-        self.req_to_token_pool.write((req.req_pool_idx, slice(start, slots.size)), fresh.to(torch.int32))
-        req.prefix_indices = torch.from_numpy(slots).to(self.device)
+        fresh = to_device(slots[start:], self.device, torch.int32)
+        self.req_to_token_pool.write((req.req_pool_idx, slice(start, slots.size)), fresh)
+        host_rows.row_of(req).set(0, slots)
+        req.prefix_indices = to_device(slots, self.device)
         req.cache_protected_len = slots.size
         req.last_node = lock
 
@@ -204,9 +210,15 @@ class AkvRadixCache(BasePrefixCache):
             self.core.tree.insert(plain_key(ids, req.extra_key or ""), row[:, None], positions[:, None], positions)
         self.core.pool.decref(own)
 
-    def _row(self, req: Any, length: int) -> np.ndarray:
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
-        return row.cpu().numpy().astype(np.int64)
+    def _row(self, req: Any, length: int, start: int = 0) -> np.ndarray:
+        """The request's ``req_to_token`` columns ``[start, length)``, from the host copy (and, with
+        ``AKV_CHECK_HOST_ROWS=1``, checked against the device row)."""
+        row = host_rows.row_of(req).get(length)[start:]
+        if _CHECK_HOST_ROWS:
+            device = self.req_to_token_pool.req_to_token[req.req_pool_idx, start:length].cpu().numpy()
+            if not np.array_equal(row, device):
+                raise AssertionError(f"host row of {req.rid} differs from req_to_token: {row} != {device}")
+        return row
 
     # ---- memory ---------------------------------------------------------------------------------
 
