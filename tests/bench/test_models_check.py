@@ -60,3 +60,24 @@ def test_parts_are_skipped_past_the_deadline_or_unasked_and_every_part_is_writte
     assert parts["minimax_tiny"] == {"ok": None, "skipped": parts["minimax_tiny"]["skipped"]}
     assert parts["minimax_tiny"]["skipped"].startswith("needs ~1000 s")
     assert parts["gpt_oss_20b"] == {"ok": None, "skipped": "not in --parts"}
+
+
+def test_with_plain_requests_scored_on_their_first_token_the_bound_is_a_first_token_one() -> None:
+    """gpt-oss: plain requests are compared on one token, context ones on eight; the bound the plain
+    ones set applies to the context requests' first tokens, and a context request is refused when
+    its own first token is off by more (its later tokens accumulate decode noise the plain ones
+    never show)."""
+    import akv_served_check as served
+
+    usage = {"prompt_tokens": 90, "prompt_tokens_details": None}
+
+    def row(error: float, first: float) -> dict:
+        return {"error": error, "first_token_error": first, "margin_at_split": None, "usage": usage,
+                "reference_usage": usage}
+
+    drift = {"plain-a": row(0.10, 0.10), "plain-b": row(0.02, 0.02), "context-a": row(0.17, 0.08)}
+    assert served.verdict(drift, first_token_bound=True)["failures"] == []
+    assert served.verdict(drift)["failures"] == ["context-a: log-prob error 0.170 > 1.5 x plain 0.100"]
+    wrong = {**drift, "context-b": row(0.20, 0.20)}
+    assert served.verdict(wrong, first_token_bound=True)["failures"] == [
+        "context-b: log-prob error 0.200 > 1.5 x plain 0.100"]

@@ -113,17 +113,21 @@ def serve_pairs(url: str, reference_url: str, bodies: list[tuple[str, dict[str, 
     return rows
 
 
-def verdict(rows: dict[str, dict[str, Any]], floor: float = 0.0, same_cache: bool = True) -> dict[str, Any]:
+def verdict(rows: dict[str, dict[str, Any]], floor: float = 0.0, same_cache: bool = True,
+            first_token_bound: bool = False) -> dict[str, Any]:
     """The plain requests' largest log-prob error, the bound it sets for the rest (never below
     ``floor``: a CPU dry run in FP32 has noise-level errors only), and every failure. Without
     ``same_cache`` (the server under test served other traffic and evicted in between) only the
-    counts that do not depend on what is resident must agree: prompt and drop-skipped tokens."""
-    plain_error = max(r["error"] for n, r in rows.items() if n.startswith("plain"))
+    counts that do not depend on what is resident must agree: prompt and drop-skipped tokens. With
+    ``first_token_bound`` (plain requests compared on their first token only) the bound is set by and
+    applies to first-token errors; tokens are still compared wherever both were."""
+    error = "first_token_error" if first_token_bound else "error"
+    plain_error = max(r[error] for n, r in rows.items() if n.startswith("plain") and r[error] is not None)
     bound = max(RATIO * plain_error, floor)
     failures = []
     for name, row in rows.items():
-        if name.startswith("context") and row["error"] > bound:
-            failures.append(f"{name}: log-prob error {row['error']:.3f} > {RATIO} x plain {plain_error:.3f}")
+        if name.startswith("context") and row[error] is not None and row[error] > bound:
+            failures.append(f"{name}: log-prob error {row[error]:.3f} > {RATIO} x plain {plain_error:.3f}")
         if row["margin_at_split"] is not None and row["margin_at_split"] > bound:
             failures.append(f"{name}: tokens differ where the reference's margin {row['margin_at_split']:.3f} > {bound:.3f}")
         got = row["usage"].get("prompt_tokens_details")
