@@ -24,8 +24,8 @@ from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.device import to_device
 from akv.system.adapter.metrics import AkvMetrics
 from akv.system.adapter.window_lists import PositionTable, window_from_radius
+from akv.system.cache import plain
 from akv.system.cache.core import CacheCore
-from akv.system.cache.keys import plain_key
 from akv.system.cache.pool import SlotPool
 from akv.system.models.minimax_m2 import check_supported
 from sglang.srt.environ import envs
@@ -105,7 +105,7 @@ class AkvRadixCache(BasePrefixCache):
             return self._match_context(params.req, state)
         key = params.key
         ids = np.frombuffer(key.raw_token_ids(), dtype=np.int64) if len(key) else np.zeros(0, np.int64)
-        slots = self._resident_prefix(ids, key.extra_key or "")
+        slots = plain.resident_prefix(self.core, ids, key.extra_key or "")
         host_rows.row_of(params.req).set(0, slots)
         if slots.size == 0:
             return self._result(slots, self.root_node)
@@ -119,13 +119,6 @@ class AkvRadixCache(BasePrefixCache):
         if state.active is None:
             state.plan_draft(self.core, cold=bool(envs.SGLANG_RADIX_FORCE_MISS.get()))
         return self._result(np.zeros(state.first_start, dtype=np.int64), state)
-
-    def _resident_prefix(self, ids: np.ndarray, namespace: str) -> np.ndarray:
-        match = self.core.tree.match(plain_key(ids, namespace))
-        exact = (match.slots >= 0) & (match.positions == np.arange(match.n_tokens)[:, None])
-        found = exact.any(axis=1)
-        n = int(np.argmin(found)) if not found.all() else found.size
-        return match.slots[np.arange(n), exact[:n].argmax(axis=1)].astype(np.int64)
 
     def _result(self, slots: np.ndarray, node: Any) -> MatchResult:
         indices = to_device(slots, self.device)
@@ -187,7 +180,7 @@ class AkvRadixCache(BasePrefixCache):
         ids = req.get_fill_ids()
         row = self._row(req, len(ids))
         self._publish_plain(req, row, True)
-        slots = self._resident_prefix(np.asarray(ids, dtype=np.int64), req.extra_key or "")
+        slots = plain.resident_prefix(self.core, np.asarray(ids, dtype=np.int64), req.extra_key or "")
         assert slots.size == row.size, (slots.size, row.size)
         lock = PlainLock(slots)
         self.inc_lock_ref(lock)
@@ -202,13 +195,8 @@ class AkvRadixCache(BasePrefixCache):
 
     def _publish_plain(self, req: Any, row: np.ndarray, is_insert: bool) -> None:
         """Insert a plain request's tokens with their slots; its own slots go to the tree or back."""
-        own = row[req.cache_protected_len :]
-        self.core.pool.adopt(own)
-        if is_insert and row.size:
-            ids = np.asarray((req.origin_input_ids + req.output_ids)[: row.size], dtype=np.int64)
-            positions = np.arange(row.size, dtype=np.int64)
-            self.core.tree.insert(plain_key(ids, req.extra_key or ""), row[:, None], positions[:, None], positions)
-        self.core.pool.decref(own)
+        ids = np.asarray((req.origin_input_ids + req.output_ids)[: row.size], dtype=np.int64) if is_insert else None
+        plain.publish(self.core, row, req.cache_protected_len, ids, req.extra_key or "")
 
     def _row(self, req: Any, length: int, start: int = 0) -> np.ndarray:
         """The request's ``req_to_token`` columns ``[start, length)``, from the host copy (and, with

@@ -113,7 +113,7 @@ class SlotPool:
         slots = self._in_range(slots, "adopt")
         if slots.size == 0:
             return
-        if np.unique(slots).size != slots.size:
+        if _unique(slots).size != slots.size:
             raise PoolError("slots: adopt lists a slot twice")
         held = (self._refs[slots] + self._tree[slots]) > 0
         if held.any():
@@ -153,7 +153,7 @@ class SlotPool:
     def _change(self, slots: np.ndarray, refs: np.ndarray, delta: int) -> int:
         if slots.size == 0:
             return 0
-        touched = np.unique(slots)
+        touched = _unique(slots)
         before = self._state(touched)
         np.add.at(refs, slots, delta)
         if (refs[touched] < 0).any():
@@ -182,3 +182,12 @@ class SlotPool:
         if free.any():
             raise PoolError(f"slots: {op} of slot {int(slots[free][0])}, which is free")
         return slots
+
+
+def _unique(slots: np.ndarray) -> np.ndarray:
+    """``np.unique(slots)`` by sorting: numpy 2's hashing ``unique`` takes ~14x longer on the
+    few-thousand-slot arrays a request publishes."""
+    ordered = np.sort(slots)
+    keep = np.ones(ordered.size, dtype=bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    return ordered[keep]

@@ -1,0 +1,31 @@
+"""Plain requests on the cache core: the prefix resident at each token's own position, and the
+publication of a request's KV (its own slots adopted, inserted under its tokens, handed to the tree
+or back to the pool)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from akv.system.cache.core import CacheCore
+from akv.system.cache.keys import plain_key
+
+
+def resident_prefix(core: CacheCore, ids: np.ndarray, namespace: str) -> np.ndarray:
+    """Slots of the longest prefix of ``ids`` resident at the tokens' own positions (0, 1, ...)."""
+    match = core.tree.match(plain_key(ids, namespace))
+    exact = (match.slots >= 0) & (match.positions == np.arange(match.n_tokens)[:, None])
+    found = exact.any(axis=1)
+    n = int(np.argmin(found)) if not found.all() else found.size
+    return match.slots[np.arange(n), exact[:n].argmax(axis=1)].astype(np.int64)
+
+
+def publish(core: CacheCore, row: np.ndarray, protected: int, ids: np.ndarray | None, namespace: str) -> None:
+    """``row[protected:]`` are the request's own slots: inserted with the rest of ``row`` under
+    ``ids`` (None: not inserted), then the request's references dropped (a slot the tree did not
+    take is freed)."""
+    own = row[protected:]
+    core.pool.adopt(own)
+    if ids is not None and row.size:
+        positions = np.arange(row.size, dtype=np.int64)
+        core.tree.insert(plain_key(ids[: row.size], namespace), row[:, None], positions[:, None], positions)
+    core.pool.decref(own)
