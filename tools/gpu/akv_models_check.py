@@ -27,11 +27,11 @@ without CUDA graphs, the big ones with decode graphs up to batch 4 unless AKV_MO
 part 4's start once part 3's are stopped. A part that would not end before the deadline
 (AKV_MODELS_DEADLINE_S, default 470 s from the start) is skipped and says so.
 
-Device call (carry [".devkit"] after tools/gpu/prepare.sh or model_cache.sh; timeout_s 600; ~9
-minutes: run.sh's install and import check ~70 s, then this script: servers of parts 1-3 start at
-+10-30 s; part 1 ends ~+130 s, part 2 ~+150 s, part 3 ~+250 s; part 4 starts only with 200 s left
-and its FP8 pair is the likeliest to be cut by the deadline; knobs AKV_MODELS_PARTS=gpt_oss_tiny,...
-and AKV_MODELS_BIG_GRAPHS=0)::
+Device call (carry [".devkit"] after tools/gpu/prepare.sh or model_cache.sh; timeout_s 600). Measured
+on 2026-12-01 (bench/results/akv-models-check-h200.json): run.sh's install and import check ~35 s,
+then this script 311 s: the 20b pair ready at +135 s, parts 1-3 done at +167 s, the FP8 MiniMax pair
+ready 100 s after its launch, part 4 done at +298 s. Knobs AKV_MODELS_PARTS=gpt_oss_tiny,... and
+AKV_MODELS_BIG_GRAPHS=0::
 
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_models_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 

@@ -107,8 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="attention backend of the patched server (default: --backend)")
     p.add_argument("--servers", choices=("in-turn", "together"), default=os.environ.get("AKV_REPLAY_SERVERS"),
                    help="start stock and patched one after the other (whole GPU each) or both at once (saves one "
-                        "startup of 250-350 s on FlashInfer; each gets a --pool-tokens cap); default: together on "
-                        "the H200, in turn with --dry-run")
+                        "startup, ~65 s on FlashInfer with the carried kernels; each gets a --pool-tokens cap); "
+                        "default: together on the H200, in turn with --dry-run")
     p.add_argument("--mem-fraction", default=os.environ.get("AKV_REPLAY_MEM_FRACTION"),
                    help="--mem-fraction-static of each server (default 0.85 in turn; 0.8 together, where the pool "
                         "cap leaves the other server room whichever profiles the GPU first)")
