@@ -96,3 +96,20 @@ def charge_copies(adder: Any, req: Any) -> None:
     extra = extra_budget(req)
     adder.rem_total_token_offset += extra
     adder.cur_rem_token_offset += extra
+
+
+def reserve_rounds_left(adder: Any, reqs: list[Any]) -> None:
+    """Take from the adder's total budget what the context requests among ``reqs``, continuing their
+    prefill after this batch, still need: the columns after their latest round and their new tokens.
+    SGLang charges a chunked request one chunk per batch, safe while its chunks fill the chunk budget;
+    a context request's rounds end at segment ends, so others join the batch between them and, without
+    this, would take the KV its later rounds need (an out-of-memory abort, or requests between rounds
+    that no batch can hold again)."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    for req in reqs:
+        if req is None or req.akv is None or req.finished():
+            continue
+        columns = len(req.full_untruncated_fill_ids) - req.extend_range.end
+        new_tokens = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        adder.rem_total_token_offset += columns + new_tokens
