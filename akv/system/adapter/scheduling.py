@@ -1,5 +1,6 @@
 """Scheduler hooks: the program reaches ``Req``, rounds stop at segment ends, a context request
-continues its rounds in or beside SGLang's chunked-request slot, admission reserves copy slots."""
+continues its rounds in or beside SGLang's chunked-request slot, admission reserves copy slots and the
+rounds left of requests between rounds."""
 
 from __future__ import annotations
 
@@ -103,8 +104,7 @@ def reserve_rounds_left(adder: Any, reqs: list[Any]) -> None:
     prefill after this batch, still need: the columns after their latest round and their new tokens.
     SGLang charges a chunked request one chunk per batch, safe while its chunks fill the chunk budget;
     a context request's rounds end at segment ends, so others join the batch between them and, without
-    this, would take the KV its later rounds need (an out-of-memory abort, or requests between rounds
-    that no batch can hold again)."""
+    this, take the KV its later rounds need (``alloc_for_extend`` then runs out of memory)."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
     for req in reqs:
