@@ -173,6 +173,22 @@ def parallel_rounds_waves() -> list[list[Request]]:
              cold[1].request("rounds-cold-aborted", abort_after_forwards=1)]]
 
 
+def rounds_pressure_waves(mix: str) -> list[list[Request]]:
+    """Requests of five segments (123 columns each) sent at once on a pool that holds one of them
+    but not two: ``"copies"``, one request three times (the same tokens and drops); ``"two-and-one"``,
+    one twice and another conversation's. Each round ends at a segment's end, so a second request's
+    first round fits the chunk budget the first one's rounds leave."""
+    def five_segments(seed: int) -> Conversation:
+        conv = Conversation(seed).add(12, 12)
+        for anchor in (0, 2, 4, 6):
+            conv.drop(anchor).add(12, 12)
+        return conv
+    same = five_segments(60).request("same")
+    copies = [Request(f"copy-{i}", same.ids, same.program) for i in range(3 if mix == "copies" else 2)]
+    others = [five_segments(61).request("other")] if mix == "two-and-one" else []
+    return [copies + others]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)

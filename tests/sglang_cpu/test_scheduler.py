@@ -190,6 +190,20 @@ def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, ora
     assert_pool_back(report)
 
 
+@pytest.mark.parametrize("mix", ["copies", "two-and-one"])
+def test_rounds_left_count_in_admission(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel,
+                                        mix: str) -> None:
+    """Five-segment requests sent at once on a pool that holds one of them but not two: a request
+    joining between another's rounds must leave it the KV its later rounds and new tokens need (it
+    waits instead; without that the scheduler ran out of memory in ``alloc_for_extend``), and every
+    request is exact."""
+    waves = scenarios.rounds_pressure_waves(mix)
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=180)
+    for request in waves[0]:
+        assert_exact(oracle_model, request, report["results"][request.rid])
+    assert_pool_back(report)
+
+
 def test_plain_requests_join_the_rounds_of_a_multi_segment_request(
         patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     """SGLang's one chunked-request slot is taken by a turn with two segments; short plain requests

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from akv.system.adapter.scheduling import reserve_rounds_left
+
 
 class BetweenRounds:
     """The scheduler's context requests between rounds and the aborts pending for them."""
@@ -62,7 +64,9 @@ def stash(scheduler: Any) -> list[Any]:
 def add_to_batch(scheduler: Any, adder: Any) -> None:
     """Put the listed requests' next rounds into the batch being formed, while its chunk and total
     budgets have room (a request left out stays cached and locked for a later batch); a request whose
-    last round this is leaves the list."""
+    last round this is leaves the list. Then what the context requests continuing after this batch
+    (listed, or in SGLang's chunked-request slot) still need is reserved before any waiting request
+    is admitted."""
     rounds: BetweenRounds = scheduler.akv_rounds
     kept = []
     for req in rounds.reqs:
@@ -73,6 +77,7 @@ def add_to_batch(scheduler: Any, adder: Any) -> None:
         if adder.add_chunked_req(req) is not None:
             kept.append(req)
     rounds.reqs = kept
+    reserve_rounds_left(adder, [scheduler.chunked_req, *kept])
 
 
 def start_rounds(scheduler: Any, adder: Any) -> None:

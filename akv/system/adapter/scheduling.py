@@ -1,5 +1,6 @@
 """Scheduler hooks: the program reaches ``Req``, rounds stop at segment ends, a context request
-continues its rounds in or beside SGLang's chunked-request slot, admission reserves copy slots."""
+continues its rounds in or beside SGLang's chunked-request slot, admission reserves copy slots and the
+rounds left of requests between rounds."""
 
 from __future__ import annotations
 
@@ -96,3 +97,19 @@ def charge_copies(adder: Any, req: Any) -> None:
     extra = extra_budget(req)
     adder.rem_total_token_offset += extra
     adder.cur_rem_token_offset += extra
+
+
+def reserve_rounds_left(adder: Any, reqs: list[Any]) -> None:
+    """Take from the adder's total budget what the context requests among ``reqs``, continuing their
+    prefill after this batch, still need: the columns after their latest round and their new tokens.
+    SGLang charges a chunked request one chunk per batch, safe while its chunks fill the chunk budget;
+    a context request's rounds end at segment ends, so others join the batch between them and, without
+    this, take the KV its later rounds need (``alloc_for_extend`` then runs out of memory)."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    for req in reqs:
+        if req is None or req.akv is None or req.finished():
+            continue
+        columns = len(req.full_untruncated_fill_ids) - req.extend_range.end
+        new_tokens = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        adder.rem_total_token_offset += columns + new_tokens
