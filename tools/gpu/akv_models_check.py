@@ -63,7 +63,6 @@ import server_process  # noqa: E402
 
 PARSERS = {"gpt-oss": ["--reasoning-parser", "gpt-oss", "--tool-call-parser", "gpt-oss"],
            "minimax": ["--reasoning-parser", "minimax-append-think", "--tool-call-parser", "minimax-m2"]}
-WORDS = (30, 30, 3, 3, 30, 3, 3, 30)
 GPU_TINY = ["--dtype", "bfloat16", "--attention-backend", "triton", "--disable-cuda-graph", "--sampling-backend",
             "pytorch", "--max-total-tokens", "32768", "--mem-fraction-static", "0.9", "--enable-cache-report"]
 CPU_TINY = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
@@ -233,30 +232,28 @@ def check_tiny(run: Run, name: str, model: Path) -> dict[str, Any]:
     reference.start_in_background()
     rows, swaps = {}, {}
     try:
-        for request, body in served.requests(WORDS):
+        for request, body in served.requests(served.WINDOW_WORDS):
             got = served.post(server.url, body)
             if probe is not None:
                 probe.calls = []
             want = served.post(reference.url, body)
             tokens = PLAIN_TOKENS.get(name) if request.startswith("plain") else None
-            tie = None
-            if probe is not None:
-                n = len(want["choices"][0]["logprobs"]["content"])
-                gaps = [min(g) for g in router_ties.token_gaps(probe.calls, n, engine.model.config.num_layers)]
-                tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), None)
-                tokens = tie if tie is not None and (tokens is None or tie < tokens) else tokens
-            rows[request] = served.compare(got, want, tokens) if tokens != 0 else {
-                **served.compare(got, want, 1), "error": 0.0, "first_token_error": None, "agree": 0, "n": 0,
-                "margin_at_split": None, "split_tokens": None,
-                "unswapped_first_token_error": served.compare(got, want, 1)["first_token_error"]}
+            gaps = [] if probe is None else router_ties.token_gaps(
+                probe.calls, len(want["choices"][0]["logprobs"]["content"]), engine.model.config.num_layers)
+            tie = next((i for i, layers in enumerate(gaps) if min(layers) < TIE_GAP), None)
+            if tie is not None and (tokens is None or tie < tokens):
+                tokens = tie
+            rows[request] = row = served.compare(got, want, 1 if tokens == 0 else tokens)
             if tie is not None:
-                rows[request]["router_tie"] = {"token": tie, "gap": gaps[tie]}
-                if tie == 0:
-                    swaps[request] = (body, got)
-            run.log(f"{request}: {rows[request]['error']:.3f} agree {rows[request]['agree']}/{rows[request]['n']}"
-                    + (f" (router tie at token {tie}: gap {gaps[tie]:.5f})" if tie is not None else ""))
-        for request, (body, got) in swaps.items():
-            rows[request]["router_tie"]["swapped"] = swapped_first_token(engine, probe, body, got)
+                row["router_tie"] = {"token": tie, "gap": min(gaps[tie])}
+            if tie == 0:  # nothing to score by log-prob: checked against the swapped expert below
+                row.update(unswapped_first_token_error=row["first_token_error"], error=0.0, first_token_error=None,
+                           agree=0, n=0, margin_at_split=None, split_tokens=None)
+                swaps[request] = (body, got, [layer for layer, gap in enumerate(gaps[0]) if gap < TIE_GAP])
+            run.log(f"{request}: {row['error']:.3f} agree {row['agree']}/{row['n']}"
+                    + (f" (router tie at token {tie}: gap {min(gaps[tie]):.5f})" if tie is not None else ""))
+        for request, (body, got, layers) in swaps.items():  # after the sequence: a swap flushes the cache
+            rows[request]["router_tie"]["swapped"] = swapped_first_token(engine, probe, body, got, layers)
     finally:
         reference.shutdown()
         reference.server_close()
@@ -278,16 +275,14 @@ def check_tiny(run: Run, name: str, model: Path) -> dict[str, Any]:
             "router_tie_gap": TIE_GAP if probe is not None else None, **result, "requests": rows}
 
 
-def swapped_first_token(engine: Any, probe: Any, body: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
-    """The served first token against the reference's with the tied expert swapped, at each layer
-    where the last prompt token's router gap is below ``TIE_GAP``: the closest log-prob error."""
+def swapped_first_token(engine: Any, probe: Any, body: dict[str, Any], got: dict[str, Any],
+                        layers: list[int]) -> dict[str, Any]:
+    """The served first token against the reference's with the tied expert swapped at each of
+    ``layers`` (where the last prompt token's router gap is below ``TIE_GAP``): the closest log-prob
+    error (None when the served token is in no swapped top two)."""
     first = got["choices"][0]["logprobs"]["content"][0]
-    engine.cache.flush()
-    probe.calls = []
-    router_ties.generate(engine, body, 1)
-    gaps = router_ties.token_gaps(probe.calls, 1, engine.model.config.num_layers)[0]
     best: dict[str, Any] = {"served": first["token"], "error": None}
-    for layer in (i for i, gap in enumerate(gaps) if gap < TIE_GAP):
+    for layer in layers:
         top = router_ties.swapped_first_token(engine, probe, body, layer)
         if first["token"] in top:
             error = abs(top[first["token"]] - first["logprob"])

@@ -41,6 +41,9 @@ def result(i: int, words: int) -> dict[str, Any]:
 
 
 DEFAULT_WORDS = tuple(40 + 13 * turn for turn in range(8))
+WINDOW_WORDS = (30, 30, 3, 3, 30, 3, 3, 30)
+"""Tool results of ~130 or ~25 tokens (tools/gpu/akv_models_check.py): with a 128-token sliding window
+the drops of turns 3 and 6 lie inside the generation prompt's window, the others outside it."""
 
 
 def requests(words: Sequence[int] = DEFAULT_WORDS) -> list[tuple[str, dict[str, Any]]]:

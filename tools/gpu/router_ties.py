@@ -3,7 +3,7 @@
 Where the exact reference's router is close to a tie at a token whose log-probs are compared (the
 last prompt token, then each decode step), bf16 arithmetic on the GPU may choose the other expert,
 and that token's log-probs move far beyond bf16 noise: in plain and context requests alike, with
-nothing wrong in the cache. For each request of ``akv_served_check.requests(WORDS)``, served in
+nothing wrong in the cache. For each request of ``akv_served_check.requests(WINDOW_WORDS)``, served in
 order on one reference engine as the check serves them: per generated token the smallest gap, over
 layers, between the k-th and (k+1)-th biased router score of that token. For a first token whose gap
 is below ``--below``: its log-probs with that expert swapped for the next (the request rerun on an
@@ -29,9 +29,6 @@ import akv_served_check as served  # noqa: E402
 from akv.system.reference.minimax_m2 import MiniMaxM2Model  # noqa: E402
 from akv.system.reference_server import Engine  # noqa: E402
 from akv.system.reference_server.protocol import parse_chat_request  # noqa: E402
-
-WORDS = (30, 30, 3, 3, 30, 3, 3, 30)
-"""akv_models_check.WORDS (not imported: that module starts nothing but needs the GPU tooling's imports)."""
 
 
 class RouterProbe:
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     probe, cold_probe = RouterProbe(serving.model), RouterProbe(cold.model)
     n_layers = serving.model.config.num_layers
     rows = {}
-    for name, body in served.requests(WORDS):
+    for name, body in served.requests(served.WINDOW_WORDS):
         probe.calls = []
         steps = generate(serving, body, args.tokens)
         gaps = token_gaps(probe.calls, len(steps), n_layers)

@@ -342,54 +342,21 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def _write_weights(path: Path, arch: str, shape: TinyShape, tied: bool, seed: int, dtype: str) -> None:
-    """HF tensor names; matrices ~ N(0, 1/fan_in), embeddings N(0, 0.25^2), norms 1 + N(0, 0.1^2),
-    biases N(0, 0.1^2): scaled so attention and logits are far from uniform."""
+    """Every tensor of :func:`weight_specs` drawn in file order from one generator seeded ``seed``:
+    scaled so attention and logits are far from uniform."""
     import torch
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
-    hidden, inter, head = shape.hidden_size, shape.intermediate_size, shape.head_dim
-    n_q, n_kv = shape.num_attention_heads * head, shape.num_key_value_heads * head
-
-    def matrix(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen) / cols**0.5
-
-    def around_one(n: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(n, generator=gen)
-
-    def small(n: int) -> torch.Tensor:
-        return 0.1 * torch.randn(n, generator=gen)
-
-    embedding = 0.25 * torch.randn(shape.vocab_size, hidden, generator=gen)
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embedding}
-    for layer in range(shape.num_hidden_layers):
-        prefix = f"model.layers.{layer}."
-        tensors[prefix + "input_layernorm.weight"] = around_one(hidden)
-        tensors[prefix + "self_attn.q_proj.weight"] = matrix(n_q, hidden)
-        tensors[prefix + "self_attn.k_proj.weight"] = matrix(n_kv, hidden)
-        tensors[prefix + "self_attn.v_proj.weight"] = matrix(n_kv, hidden)
-        if arch == "qwen2":
-            tensors[prefix + "self_attn.q_proj.bias"] = small(n_q)
-            tensors[prefix + "self_attn.k_proj.bias"] = small(n_kv)
-            tensors[prefix + "self_attn.v_proj.bias"] = small(n_kv)
-        if arch == "qwen3":
-            tensors[prefix + "self_attn.q_norm.weight"] = around_one(head)
-            tensors[prefix + "self_attn.k_norm.weight"] = around_one(head)
-        tensors[prefix + "self_attn.o_proj.weight"] = matrix(hidden, n_q)
-        tensors[prefix + "post_attention_layernorm.weight"] = around_one(hidden)
-        tensors[prefix + "mlp.gate_proj.weight"] = matrix(inter, hidden)
-        tensors[prefix + "mlp.up_proj.weight"] = matrix(inter, hidden)
-        tensors[prefix + "mlp.down_proj.weight"] = matrix(hidden, inter)
-    tensors["model.norm.weight"] = around_one(hidden)
-    if not tied:
-        tensors["lm_head.weight"] = 2.0 * matrix(shape.vocab_size, hidden)
     target = torch.float32 if dtype == "float32" else torch.bfloat16
-    save_file({name: t.to(target).contiguous() for name, t in tensors.items()}, str(path), metadata={"format": "pt"})
+    tensors = {name: _scaled(torch.randn(dims, generator=gen), kind).to(target).contiguous()
+               for name, dims, kind in weight_specs(arch, shape, tied)}
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def weight_specs(arch: str, shape: TinyShape, tied: bool) -> list[tuple[str, tuple[int, ...], str]]:
-    """(HF tensor name, shape, distribution) of every weight, in file order; distributions as in
-    :func:`_write_weights`: ``matrix`` N(0, 1/fan_in), ``embedding`` N(0, 0.25^2), ``norm``
+    """(HF tensor name, shape, distribution) of every weight, in file order; distributions (drawn by
+    :func:`_scaled`): ``matrix`` N(0, 1/fan_in), ``embedding`` N(0, 0.25^2), ``norm``
     1 + N(0, 0.1^2), ``bias`` N(0, 0.1^2), ``head`` N(0, 4/fan_in)."""
     hidden, inter, head = shape.hidden_size, shape.intermediate_size, shape.head_dim
     n_q, n_kv = shape.num_attention_heads * head, shape.num_key_value_heads * head
@@ -457,6 +424,15 @@ def _draw(dims: tuple[int, ...], kind: str, seed: int, device: str) -> Any:
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(dims, generator=gen, device=device)
-    scale = {"embedding": 0.25, "norm": 0.1, "bias": 0.1, "matrix": dims[-1] ** -0.5, "head": 2 * dims[-1] ** -0.5}
-    return 1.0 + scale[kind] * x if kind == "norm" else scale[kind] * x
+    return _scaled(torch.randn(dims, generator=gen, device=device), kind)
+
+
+def _scaled(x: Any, kind: str) -> Any:
+    """Standard normal draws ``x`` scaled to a :func:`weight_specs` distribution."""
+    if kind == "matrix":
+        return x / x.shape[-1] ** 0.5
+    if kind == "head":
+        return 2.0 * (x / x.shape[-1] ** 0.5)
+    if kind == "norm":
+        return 1.0 + 0.1 * x
+    return {"embedding": 0.25, "bias": 0.1}[kind] * x
