@@ -34,26 +34,42 @@ def _fmt(v: float) -> str:
     return f"{v:.2f}" if v < 10 else f"{v:.0f}"
 
 
-def line_panels(panels: Sequence[tuple[str, Mapping[str, Sequence[float]]]], x_label: str) -> str:
-    """One panel per (title, {series name: y values by call index}), stacked vertically."""
+def line_panels(panels: Sequence[tuple[str, Mapping[str, Sequence[float | None]]]], x_label: str) -> str:
+    """One panel per (title, {series name: y values by call index}), stacked vertically; a None value
+    is a gap (no point, the line broken there)."""
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H * len(panels)}" '
              f'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>']
     plot_w, plot_h = W - LEFT - RIGHT, H - TOP - BOTTOM
     for p, (title, series) in enumerate(panels):
         y0 = p * H
-        y_max = max((max(v, default=0) for v in series.values()), default=0) or 1
+        y_max = max((max((y for y in v if y is not None), default=0) for v in series.values()), default=0) or 1
         x_max = max((len(v) - 1 for v in series.values()), default=1) or 1
         _axis(parts, y0, title, y_max, x_max, x_label)
         for k, (name, values) in enumerate(series.items()):
             colour = COLOURS[k % len(COLOURS)]
-            points = " ".join(f"{LEFT + plot_w * i / x_max:.1f},{y0 + TOP + plot_h - plot_h * v / y_max:.1f}"
-                              for i, v in enumerate(values))
-            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/>')
+            for run in _runs(values):
+                xy = [(LEFT + plot_w * i / x_max, y0 + TOP + plot_h - plot_h * v / y_max) for i, v in run]
+                if len(xy) == 1:
+                    parts.append(f'<circle cx="{xy[0][0]:.1f}" cy="{xy[0][1]:.1f}" r="3" fill="{colour}"/>')
+                else:
+                    points = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+                    parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/>')
             ly = y0 + TOP + 14 * k + 8
             parts.append(f'<line x1="{W - RIGHT + 10}" y1="{ly}" x2="{W - RIGHT + 28}" y2="{ly}" stroke="{colour}" '
                          f'stroke-width="2"/><text x="{W - RIGHT + 32}" y="{ly + 4}" font-size="11">{escape(name)}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+def _runs(values: Sequence[float | None]) -> list[list[tuple[int, float]]]:
+    """The (index, value) runs between None values."""
+    runs: list[list[tuple[int, float]]] = [[]]
+    for i, v in enumerate(values):
+        if v is None:
+            runs.append([])
+        else:
+            runs[-1].append((i, v))
+    return [run for run in runs if run]
 
 
 def stacked_bars(title: str, bars: Mapping[str, Mapping[str, float]], unit: str) -> str:

@@ -86,9 +86,9 @@ def svg(rows: list[dict[str, Any]], levels: list[int]) -> str:
     """Output throughput and P95 latency per method, by position in the concurrency sweep."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
 
-    def series(key: str) -> dict[str, list[float]]:
-        by = {(r["method"], r["concurrency"]): r.get(key) or 0.0 for r in rows}
-        return {m: [by.get((m, c), 0.0) for c in levels] for m in methods}
+    def series(key: str) -> dict[str, list[float | None]]:
+        by = {(r["method"], r["concurrency"]): r.get(key) for r in rows}
+        return {m: [by.get((m, c)) for c in levels] for m in methods}
 
     label = "concurrency " + ", ".join(str(c) for c in levels) + " (by position)"
     return plots.line_panels([("output tokens/s", series("output_tok_per_s")),
