@@ -185,8 +185,9 @@ def progress_line(row: dict[str, Any]) -> str:
 
 
 def choose_methods(names: str, args: argparse.Namespace) -> list[Method]:
+    """The methods named in a comma-separated list (``none``: no method)."""
     methods = {m.name: m for m in default_methods(args.standard_threshold, args.text_threshold, args.keep)}
-    chosen = [s.strip() for s in names.split(",") if s.strip()]
+    chosen = [s.strip() for s in names.split(",") if s.strip() and s.strip() != "none"]
     unknown = [m for m in chosen if m not in methods]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(methods)}")

@@ -181,3 +181,13 @@ def test_priming_sends_each_first_request_before_the_measured_run():
     assert {(s.conversation, s.turn) for s in samples} == {(c.index, r.turn) for c in convs for r in c.requests[1:]}
     with pytest.raises(ValueError, match="more than the concurrency 2"):
         replay(url, convs, 2, "m", FILLER, prime=True)
+
+
+def test_method_lists_name_methods_or_none():
+    from bench.serve_replay import choose_methods, parse_args
+
+    args = parse_args(["--url", "http://127.0.0.1:1", "--model-path", "unused", "--out", "unused.json"])
+    assert [m.name for m in choose_methods("standard, akv_keep12", args)] == ["standard", "akv_keep12"]
+    assert choose_methods("none", args) == []
+    with pytest.raises(SystemExit, match="unknown"):
+        choose_methods("standrd", args)

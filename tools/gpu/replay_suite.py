@@ -17,7 +17,8 @@ Each setting is a flag with its default from an environment variable (run.sh run
 without arguments): AKV_REPLAY_CONCURRENCY (1,4,16), AKV_REPLAY_COUNT (8 trajectories),
 AKV_REPLAY_PRESET (swe), AKV_REPLAY_START_TURN (12), AKV_REPLAY_MAX_TURNS (60; 0 = whole),
 AKV_REPLAY_MAX_OUTPUT (128 tokens per call; 0 = the trajectories' own), AKV_REPLAY_STOCK_METHODS
-(standard,trim,text_engineering,full), AKV_REPLAY_AKV_METHODS (akv_keep12), AKV_REPLAY_THRESHOLDS
+(standard,trim,text_engineering,full), AKV_REPLAY_AKV_METHODS (akv_keep12; ``none`` in either: that
+server is not started), AKV_REPLAY_THRESHOLDS
 (96000,48000: Standard, Text Engineering), AKV_REPLAY_KEEP (12), AKV_REPLAY_TARGET_S (440: the
 suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (470: no run that would
 end later starts), AKV_REPLAY_SERVERS (together | in-turn), AKV_REPLAY_MEM_FRACTION,
