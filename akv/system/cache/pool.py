@@ -113,7 +113,7 @@ class SlotPool:
         slots = self._in_range(slots, "adopt")
         if slots.size == 0:
             return
-        if _unique(slots).size != slots.size:
+        if _unique_counts(slots)[0].size != slots.size:
             raise PoolError("slots: adopt lists a slot twice")
         held = (self._refs[slots] + self._tree[slots]) > 0
         if held.any():
@@ -122,19 +122,19 @@ class SlotPool:
 
     def incref(self, slots: np.ndarray) -> None:
         """Add one request reference per listed slot (repeats add several); slots must be held."""
-        self._change(self._held(slots, "incref"), self._refs, 1)
+        self._change(slots, "incref", 1, 0)
 
     def decref(self, slots: np.ndarray) -> int:
         """Drop one request reference per listed slot; returns how many slots were freed."""
-        return self._change(self._held(slots, "decref"), self._refs, -1)
+        return self._change(slots, "decref", -1, 0)
 
     def tree_incref(self, slots: np.ndarray) -> None:
         """The tree takes one reference per listed slot (each must be held already)."""
-        self._change(self._held(slots, "tree_incref"), self._tree, 1)
+        self._change(slots, "tree_incref", 0, 1)
 
     def tree_decref(self, slots: np.ndarray) -> int:
         """The tree drops one reference per listed slot; returns how many slots were freed."""
-        return self._change(self._held(slots, "tree_decref"), self._tree, -1)
+        return self._change(slots, "tree_decref", 0, -1)
 
     def refcount(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)
@@ -147,21 +147,28 @@ class SlotPool:
         self._refs[slots] = 1
         self._counts[_PROTECTED] += slots.size
 
-    def _state(self, slots: np.ndarray) -> np.ndarray:
-        return np.where(self._refs[slots] > 0, _PROTECTED, np.where(self._tree[slots] > 0, _EVICTABLE, _FREE))
-
-    def _change(self, slots: np.ndarray, refs: np.ndarray, delta: int) -> int:
+    def _change(self, slots: np.ndarray, op: str, request: int, tree: int) -> int:
+        """Add ``request`` / ``tree`` references per listing of each (held) slot; all or nothing."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return 0
-        touched = _unique(slots)
-        before = self._state(touched)
-        np.add.at(refs, slots, delta)
-        if (refs[touched] < 0).any():
-            bad = int(touched[refs[touched] < 0][0])
-            np.add.at(refs, slots, -delta)
-            raise PoolError(f"slots: slot {bad} released more often than referenced")
-        after = self._state(touched)
-        self._counts += np.bincount(after, minlength=3) - np.bincount(before, minlength=3)
+        touched, counts = _unique_counts(slots)
+        if touched[0] < 1 or touched[-1] > self.size:
+            self._in_range(slots, op)
+        refs, tree_refs = self._refs[touched], self._tree[touched]
+        if ((refs + tree_refs) == 0).any():
+            self._refuse_free(slots, op)
+        new_refs = refs + request * counts
+        new_tree = tree_refs + tree * counts
+        negative = (new_refs < 0) | (new_tree < 0)
+        if negative.any():
+            raise PoolError(f"slots: slot {int(touched[negative][0])} released more often than referenced")
+        if request:
+            self._refs[touched] = new_refs
+        if tree:
+            self._tree[touched] = new_tree
+        after = _state(new_refs, new_tree)
+        self._counts += np.bincount(after, minlength=3) - np.bincount(_state(refs, tree_refs), minlength=3)
         freed = touched[after == _FREE]
         if freed.size:
             self._free_list.give(freed)
@@ -176,18 +183,25 @@ class SlotPool:
             raise PoolError(f"slots: {op} of slot {int(slots[out_of_range][0])} outside 1..{self.size}")
         return slots
 
-    def _held(self, slots: np.ndarray, op: str) -> np.ndarray:
-        slots = self._in_range(slots, op)
+    def _refuse_free(self, slots: np.ndarray, op: str) -> None:
+        """Raise naming the first listed slot that is free (the caller found one)."""
         free = (self._refs[slots] + self._tree[slots]) == 0
-        if free.any():
-            raise PoolError(f"slots: {op} of slot {int(slots[free][0])}, which is free")
-        return slots
+        raise PoolError(f"slots: {op} of slot {int(slots[free][0])}, which is free")
 
 
-def _unique(slots: np.ndarray) -> np.ndarray:
-    """``np.unique(slots)`` by sorting: numpy 2's hashing ``unique`` takes ~14x longer on the
-    few-thousand-slot arrays a request publishes."""
+def _state(refs: np.ndarray, tree: np.ndarray) -> np.ndarray:
+    return np.where(refs > 0, _PROTECTED, np.where(tree > 0, _EVICTABLE, _FREE))
+
+
+def _unique_counts(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
+    """The distinct slots, sorted, and how often each is listed (1 when none repeats). By sorting:
+    numpy 2's hashing ``unique`` takes ~14x longer on the few-thousand-slot arrays a request
+    publishes."""
     ordered = np.sort(slots)
-    keep = np.ones(ordered.size, dtype=bool)
-    keep[1:] = ordered[1:] != ordered[:-1]
-    return ordered[keep]
+    first = np.ones(ordered.size, dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    if first.all():
+        return ordered, 1
+    starts = np.flatnonzero(first)
+    return ordered[starts], np.diff(np.append(starts, ordered.size))
+

@@ -147,10 +147,14 @@ class RadixTree:
         if terminal.shape != (n,):
             raise TreeError(f"terminal: expected shape ({n},), got {terminal.shape}")
         n_rec = key.records.shape[0]
-        rec_slots = np.full((n_rec, slots.shape[1]), _EMPTY, dtype=np.int64)
-        rec_positions = np.full_like(rec_slots, _EMPTY)
-        rec_slots[key.token_record] = slots
-        rec_positions[key.token_record] = np.where(slots >= 0, positions, _EMPTY)
+        positions = np.where(slots >= 0, positions, _EMPTY)
+        if n_rec == n:  # no event records: token t is record t
+            rec_slots, rec_positions = slots, positions
+        else:
+            rec_slots = np.full((n_rec, slots.shape[1]), _EMPTY, dtype=np.int64)
+            rec_positions = np.full_like(rec_slots, _EMPTY)
+            rec_slots[key.token_record] = slots
+            rec_positions[key.token_record] = positions
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
@@ -159,18 +163,18 @@ class RadixTree:
             child = node.children.get(int(key.records[i]))
             if child is None:
                 child = self._new_node(key.records[i:].copy(), node)
+                self._adopt(child, rec_slots[i:], rec_positions[i:])
                 common = n_rec - i
             else:
                 common = _common_prefix(child.key, key.records[i:])
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
-            lo, hi = i, i + common
-            self._merge(child, rec_slots[lo:hi], rec_positions[lo:hi])
+                self._merge(child, rec_slots[i : i + common], rec_positions[i : i + common])
             self._touch(child, stamp)
-            i = hi
+            i += common
             node = child
         if n_rec and not node.children:
-            self._record_end(node, np.asarray(terminal, dtype=np.int64))
+            self._end_path(node, np.asarray(terminal, dtype=np.int64))
 
     def evict(self, n_slots: int) -> int:
         """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
@@ -223,6 +227,21 @@ class RadixTree:
                     self._ranked[rank].discard(node)
         self._dirty.clear()
 
+    def _end_path(self, leaf: TreeNode, terminal: np.ndarray) -> None:
+        """Record the path ending at ``leaf``. A new leaf under a former path end takes that end
+        over; when ``terminal`` extends the end's own, only the leaf's reads are new."""
+        parent = leaf.parent
+        assert parent is not None
+        old = parent.terminal
+        if old is not None:
+            if leaf.terminal is None and np.array_equal(terminal[: old.size], old):
+                parent.terminal = None
+                leaf.terminal = terminal.copy()
+                self._count_node(leaf, terminal[old.size :], 1)
+                return
+            self._forget_end(parent)
+        self._record_end(leaf, terminal)
+
     def _record_end(self, node: TreeNode, terminal: np.ndarray) -> None:
         """Make leaf ``node`` the end of a recorded path with ``terminal`` (replacing its own)."""
         if node.terminal is not None:
@@ -244,15 +263,22 @@ class RadixTree:
         stop = terminal.size
         node: TreeNode | None = end
         while node is not None and node.attached:
-            rows = np.flatnonzero(node.key >= 0)
-            start = stop - rows.size
-            final = terminal[start:stop]
-            stop = start
-            kept = final >= 0
-            if kept.any():
-                _count_reads(node, rows[kept], final[kept], delta)
-                self._dirty.add(node)
+            stop -= self._count_node(node, terminal[: stop], delta)
             node = node.parent
+
+    def _count_node(self, node: TreeNode, terminal: np.ndarray, delta: int) -> int:
+        """Count the reads of ``node``'s tokens, the last entries of ``terminal``; returns how many
+        tokens the node has."""
+        rows = np.flatnonzero(node.key >= 0)
+        final = terminal[terminal.size - rows.size :]
+        kept = final >= 0
+        if kept.all():
+            _count_reads(node, rows, final, delta)
+            self._dirty.add(node)
+        elif kept.any():
+            _count_reads(node, rows[kept], final[kept], delta)
+            self._dirty.add(node)
+        return rows.size
 
     def flush(self) -> None:
         """Give back every reference the tree holds and forget all paths."""
@@ -311,7 +337,6 @@ class RadixTree:
         empty = np.full((key.shape[0], width), _EMPTY, dtype=np.int64)
         node = TreeNode(key, empty, empty.copy(), next(self._uids))
         node.parent = parent
-        self._forget_end(parent)  # no longer a leaf: the path ends below it now
         parent.children[int(key[0])] = node
         self._n_nodes += 1
         return node
@@ -332,6 +357,19 @@ class RadixTree:
         upper.children[int(node.key[0])] = node
         self._n_nodes += 1
         return upper
+
+    def _adopt(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> None:
+        """Fill new ``node`` (all free) with the versions of its records: what :meth:`_merge` does
+        for a node that holds nothing yet."""
+        if slots.shape[1] > 1:
+            self._merge(node, slots, positions)
+            return
+        held = slots[:, 0] >= 0
+        node.slots = slots.copy()
+        node.positions = positions.copy()
+        if held.any():
+            self.pool.tree_incref(slots[held, 0])
+            self._dirty.add(node)
 
     def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> None:
         for j in range(slots.shape[1]):
@@ -380,6 +418,13 @@ class RadixTree:
 
 def _count_reads(node: TreeNode, rows: np.ndarray, positions: np.ndarray, delta: int) -> None:
     """Add ``delta`` to the count of paths reading row ``rows[i]`` at ``positions[i]``."""
+    if node.read_cnt.shape[1] == 1:  # one position per row so far: no column to choose
+        counted = node.read_cnt[rows, 0]
+        found = (node.read_pos[rows, 0] == positions) & (counted > 0)
+        if found.all() or (delta > 0 and not counted[~found].any()):
+            node.read_pos[rows, 0] = positions
+            node.read_cnt[rows, 0] = counted + delta
+            return
     match = (node.read_pos[rows] == positions[:, None]) & (node.read_cnt[rows] > 0)
     found = match.any(axis=1)
     if delta < 0 and not found.all():
