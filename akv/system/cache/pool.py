@@ -59,9 +59,6 @@ class ArrayFreeList:
         self._n_free += slots.size
 
 
-_FREE, _EVICTABLE, _PROTECTED = 0, 1, 2
-
-
 class SlotPool:
     """Per-slot request and tree reference counts over a free list; ``on_free`` sees every batch
     of slots freed."""
@@ -75,7 +72,8 @@ class SlotPool:
         self._tree = np.zeros(size + 1, dtype=np.int64)
         self._free_list: FreeList = ArrayFreeList(size) if free_list is None else free_list
         self._on_free = on_free
-        self._counts = np.zeros(3, dtype=np.int64)
+        self._n_evictable = 0
+        self._n_protected = 0
 
     @property
     def n_free(self) -> int:
@@ -84,12 +82,12 @@ class SlotPool:
     @property
     def n_evictable(self) -> int:
         """Slots only the tree holds."""
-        return int(self._counts[_EVICTABLE])
+        return self._n_evictable
 
     @property
     def n_protected(self) -> int:
         """Slots some request holds."""
-        return int(self._counts[_PROTECTED])
+        return self._n_protected
 
     @property
     def n_held(self) -> int:
@@ -122,19 +120,19 @@ class SlotPool:
 
     def incref(self, slots: np.ndarray) -> None:
         """Add one request reference per listed slot (repeats add several); slots must be held."""
-        self._change(slots, "incref", 1, 0)
+        self._change(slots, "incref", self._refs, 1)
 
     def decref(self, slots: np.ndarray) -> int:
         """Drop one request reference per listed slot; returns how many slots were freed."""
-        return self._change(slots, "decref", -1, 0)
+        return self._change(slots, "decref", self._refs, -1)
 
     def tree_incref(self, slots: np.ndarray) -> None:
         """The tree takes one reference per listed slot (each must be held already)."""
-        self._change(slots, "tree_incref", 0, 1)
+        self._change(slots, "tree_incref", self._tree, 1)
 
     def tree_decref(self, slots: np.ndarray) -> int:
         """The tree drops one reference per listed slot; returns how many slots were freed."""
-        return self._change(slots, "tree_decref", 0, -1)
+        return self._change(slots, "tree_decref", self._tree, -1)
 
     def refcount(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)
@@ -145,31 +143,34 @@ class SlotPool:
 
     def _adopt(self, slots: np.ndarray) -> None:
         self._refs[slots] = 1
-        self._counts[_PROTECTED] += slots.size
+        self._n_protected += int(slots.size)
 
-    def _change(self, slots: np.ndarray, op: str, request: int, tree: int) -> int:
-        """Add ``request`` / ``tree`` references per listing of each (held) slot; all or nothing."""
+    def _change(self, slots: np.ndarray, op: str, holder: np.ndarray, delta: int) -> int:
+        """Add ``delta`` references of one holder (``holder``: the request or the tree counts) per
+        listing of each slot, every slot held; all or nothing. Returns how many slots were freed."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return 0
         touched, counts = _unique_counts(slots)
         if touched[0] < 1 or touched[-1] > self.size:
             self._in_range(slots, op)
-        refs, tree_refs = self._refs[touched], self._tree[touched]
-        if ((refs + tree_refs) == 0).any():
+        requests, tree = self._refs[touched], self._tree[touched]
+        if not (requests + tree).all():
             self._refuse_free(slots, op)
-        new_refs = refs + request * counts
-        new_tree = tree_refs + tree * counts
-        negative = (new_refs < 0) | (new_tree < 0)
-        if negative.any():
-            raise PoolError(f"slots: slot {int(touched[negative][0])} released more often than referenced")
-        if request:
-            self._refs[touched] = new_refs
-        if tree:
-            self._tree[touched] = new_tree
-        after = _state(new_refs, new_tree)
-        self._counts += np.bincount(after, minlength=3) - np.bincount(_state(refs, tree_refs), minlength=3)
-        freed = touched[after == _FREE]
+        changed = (requests if holder is self._refs else tree) + delta * counts
+        if delta < 0 and (changed < 0).any():
+            raise PoolError(f"slots: slot {int(touched[changed < 0][0])} released more often than referenced")
+        holder[touched] = changed
+        protected = 0
+        if holder is self._refs:
+            protected = int(np.count_nonzero(changed)) - int(np.count_nonzero(requests))
+            requests = changed
+        else:
+            tree = changed
+        freed = touched[(requests + tree) == 0] if delta < 0 else touched[:0]
+        # every touched slot was held: those that did not become or stay protected, nor were freed, are evictable
+        self._n_protected += protected
+        self._n_evictable -= protected + int(freed.size)
         if freed.size:
             self._free_list.give(freed)
             if self._on_free is not None:
@@ -187,10 +188,6 @@ class SlotPool:
         """Raise naming the first listed slot that is free (the caller found one)."""
         free = (self._refs[slots] + self._tree[slots]) == 0
         raise PoolError(f"slots: {op} of slot {int(slots[free][0])}, which is free")
-
-
-def _state(refs: np.ndarray, tree: np.ndarray) -> np.ndarray:
-    return np.where(refs > 0, _PROTECTED, np.where(tree > 0, _EVICTABLE, _FREE))
 
 
 def _unique_counts(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
