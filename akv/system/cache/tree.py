@@ -131,12 +131,14 @@ class RadixTree:
         slots, positions = _gather(parts, key.token_record[:n_tokens])
         return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
 
-    def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> None:
+    def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> np.ndarray:
         """Publish versions for ``key``'s tokens: ``slots[t, j]`` at ``positions[t, j]`` (-1 = none).
 
         Versions the tree lacks are adopted (the tree takes a reference); duplicates of a resident
         (token, position) are left to the caller. ``terminal[t]`` is the position token ``t`` is read
         at from the end of this path (-1 when dropped); the path's end keeps it to rank eviction.
+        Returns the slot now resident for each given version (``slots``' shape; -1 where none was
+        given): its own, or the resident duplicate's.
         """
         n = key.n_tokens
         for name, arr in (("slots", slots), ("positions", positions)):
@@ -158,23 +160,26 @@ class RadixTree:
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
+        resident = []
         i = 0
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
             if child is None:
                 child = self._new_node(key.records[i:].copy(), node)
-                self._adopt(child, rec_slots[i:], rec_positions[i:])
+                resident.append(self._adopt(child, rec_slots[i:], rec_positions[i:]))
                 common = n_rec - i
             else:
                 common = _common_prefix(child.key, key.records[i:])
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
-                self._merge(child, rec_slots[i : i + common], rec_positions[i : i + common])
+                resident.append(self._merge(child, rec_slots[i : i + common], rec_positions[i : i + common]))
             self._touch(child, stamp)
             i += common
             node = child
         if n_rec and not node.children:
             self._end_path(node, np.asarray(terminal, dtype=np.int64))
+        out = np.concatenate(resident) if resident else rec_slots
+        return out if n_rec == n else out[key.token_record]
 
     def evict(self, n_slots: int) -> int:
         """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
@@ -358,23 +363,29 @@ class RadixTree:
         self._n_nodes += 1
         return upper
 
-    def _adopt(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> None:
+    def _adopt(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Fill new ``node`` (all free) with the versions of its records: what :meth:`_merge` does
         for a node that holds nothing yet."""
         if slots.shape[1] > 1:
-            self._merge(node, slots, positions)
-            return
+            return self._merge(node, slots, positions)
         held = slots[:, 0] >= 0
         node.slots = slots.copy()
         node.positions = positions.copy()
         if held.any():
             self.pool.tree_incref(slots[held, 0])
             self._dirty.add(node)
+        return slots
 
-    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> None:
+    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Add the versions ``node`` lacks; returns the slot resident for each given one."""
+        resident = slots.copy()
         for j in range(slots.shape[1]):
-            add = slots[:, j] >= 0
-            add &= ~((node.positions == positions[:, j, None]) & (node.slots >= 0)).any(axis=1)
+            same = (node.positions == positions[:, j, None]) & (node.slots >= 0)
+            duplicate = same.any(axis=1)
+            if duplicate.any():
+                rows = np.flatnonzero(duplicate)
+                resident[rows, j] = node.slots[rows, same[rows].argmax(axis=1)]
+            add = (slots[:, j] >= 0) & ~duplicate
             if not add.any():
                 continue
             free = node.slots < 0
@@ -388,6 +399,7 @@ class RadixTree:
             node.positions[rows, cols] = positions[rows, j]
             self.pool.tree_incref(slots[rows, j])
             self._dirty.add(node)
+        return resident
 
     def _release(self, node: TreeNode, which: np.ndarray) -> int:
         held = (node.slots >= 0) & which
