@@ -61,6 +61,7 @@ class HostRow:
         self.n_known = end
 
     def expect(self, copy: _Copy, offset: int, n: int, column: int) -> None:
+        """Columns ``column ...`` get ``copy``'s ``[offset, offset + n)`` once it arrives."""
         self.pending.append((copy, offset, n, column))
         if len(self.pending) >= _RESOLVE_AT:
             self._resolve(only_done=True)

@@ -194,6 +194,8 @@ def _unique_counts(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
     """The distinct slots, sorted, and how often each is listed (1 when none repeats). By sorting:
     numpy 2's hashing ``unique`` takes ~14x longer on the few-thousand-slot arrays a request
     publishes."""
+    if slots.size < 2 or (slots[1:] > slots[:-1]).all():  # already sorted and distinct (a typical allocation)
+        return slots, 1
     ordered = np.sort(slots)
     first = np.ones(ordered.size, dtype=bool)
     first[1:] = ordered[1:] != ordered[:-1]

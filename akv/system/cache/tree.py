@@ -165,8 +165,8 @@ class RadixTree:
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
             if child is None:
-                child = self._new_node(key.records[i:].copy(), node)
-                resident.append(self._adopt(child, rec_slots[i:], rec_positions[i:]))
+                child, own = self._new_leaf(node, key.records[i:].copy(), rec_slots[i:], rec_positions[i:])
+                resident.append(own)
                 common = n_rec - i
             else:
                 common = _common_prefix(child.key, key.records[i:])
@@ -337,14 +337,25 @@ class RadixTree:
         stamp, _, node = heapq.heappop(heap)
         return node if node.attached and stamp == node.last_access else None
 
-    def _new_node(self, key: np.ndarray, parent: TreeNode) -> TreeNode:
-        width = 1
-        empty = np.full((key.shape[0], width), _EMPTY, dtype=np.int64)
-        node = TreeNode(key, empty, empty.copy(), next(self._uids))
+    def _new_leaf(self, parent: TreeNode, key: np.ndarray, slots: np.ndarray,
+                  positions: np.ndarray) -> tuple[TreeNode, np.ndarray]:
+        """A leaf under ``parent`` for records ``key`` holding their given versions (what
+        :meth:`_merge` does for a node that holds nothing yet), and the slots resident for them."""
+        if slots.shape[1] == 1:
+            node = TreeNode(key, slots.copy(), positions.copy(), next(self._uids))
+        else:
+            empty = np.full((key.shape[0], 1), _EMPTY, dtype=np.int64)
+            node = TreeNode(key, empty, empty.copy(), next(self._uids))
         node.parent = parent
         parent.children[int(key[0])] = node
         self._n_nodes += 1
-        return node
+        if slots.shape[1] > 1:
+            return node, self._merge(node, slots, positions)
+        held = slots[:, 0] >= 0
+        if held.any():
+            self.pool.tree_incref(slots[held, 0])
+            self._dirty.add(node)
+        return node, slots
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` records; the new upper node is returned, ``node`` keeps the rest."""
@@ -363,26 +374,15 @@ class RadixTree:
         self._n_nodes += 1
         return upper
 
-    def _adopt(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Fill new ``node`` (all free) with the versions of its records: what :meth:`_merge` does
-        for a node that holds nothing yet."""
-        if slots.shape[1] > 1:
-            return self._merge(node, slots, positions)
-        held = slots[:, 0] >= 0
-        node.slots = slots.copy()
-        node.positions = positions.copy()
-        if held.any():
-            self.pool.tree_incref(slots[held, 0])
-            self._dirty.add(node)
-        return slots
-
     def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Add the versions ``node`` lacks; returns the slot resident for each given one."""
         resident = slots.copy()
         for j in range(slots.shape[1]):
             same = (node.positions == positions[:, j, None]) & (node.slots >= 0)
             duplicate = same.any(axis=1)
-            if duplicate.any():
+            if node.slots.shape[1] == 1:  # the one version a row holds is the duplicate
+                resident[:, j] = np.where(duplicate, node.slots[:, 0], resident[:, j])
+            elif duplicate.any():
                 rows = np.flatnonzero(duplicate)
                 resident[rows, j] = node.slots[rows, same[rows].argmax(axis=1)]
             add = (slots[:, j] >= 0) & ~duplicate
