@@ -70,5 +70,8 @@ def test_copies_apply_in_allocation_order_and_reading_waits_for_those_in_flight(
         row.expect(copy, 0, 1, 1 + step)
         truth[1 + step] = 100 + step
     assert len(row.pending) == host_rows._RESOLVE_AT + 1 and slow.waited == 0, "applied past a copy in flight"
+    again = host_rows._Copy(torch.tensor([77]), None)  # column 3 allocated again (the latest wins)
+    row.expect(again, 0, 1, 3)
+    truth[3] = 77
     assert np.array_equal(row.get(host_rows._RESOLVE_AT + 1), truth[: host_rows._RESOLVE_AT + 1])
     assert slow.waited == 1 and not row.pending

@@ -55,10 +55,8 @@ class HostRow:
     def set(self, column: int, values: np.ndarray) -> None:
         """Columns ``column ...`` hold ``values`` (host slots); later columns are forgotten."""
         self._resolve()
-        end = column + values.size
-        self._grow(end)
-        self.slots[column:end] = values
-        self.n_known = end
+        self._write(column, values)
+        self.n_known = column + values.size
 
     def expect(self, copy: _Copy, offset: int, n: int, column: int) -> None:
         """Columns ``column ...`` get ``copy``'s ``[offset, offset + n)`` once it arrives."""
@@ -79,18 +77,38 @@ class HostRow:
             grown[: self.slots.size] = self.slots
             self.slots = grown
 
+    def _write(self, column: int, values: np.ndarray) -> None:
+        end = column + values.size
+        self._grow(end)
+        self.slots[column:end] = values
+        self.n_known = max(self.n_known, end)
+
+    def _write_columns(self, single: dict[int, int]) -> None:
+        """Write ``column -> slot`` (one slot per column) at once, and forget them."""
+        if single:
+            columns = np.fromiter(single, dtype=np.int64, count=len(single))
+            end = int(columns.max()) + 1
+            self._grow(end)
+            self.slots[columns] = np.fromiter(single.values(), dtype=np.int64, count=len(single))
+            self.n_known = max(self.n_known, end)
+            single.clear()
+
     def _resolve(self, only_done: bool = False) -> None:
-        """Apply the pending copies in order (with ``only_done``, up to the first still in flight)."""
+        """Apply the pending copies in order (with ``only_done``, up to the first still in flight);
+        consecutive single-slot copies (decode steps) are written together, the latest per column."""
+        single: dict[int, int] = {}
         n = 0
         for copy, offset, count, column in self.pending:
             values = copy.values(wait=not only_done)
             if values is None:
                 break
-            end = column + count
-            self._grow(end)
-            self.slots[column:end] = values[offset : offset + count]
-            self.n_known = max(self.n_known, end)
+            if count == 1:
+                single[column] = values[offset]
+            else:
+                self._write_columns(single)
+                self._write(column, values[offset : offset + count])
             n += 1
+        self._write_columns(single)
         del self.pending[:n]
 
 

@@ -353,7 +353,7 @@ class RadixTree:
             return node, self._merge(node, slots, positions)
         held = slots[:, 0] >= 0
         if held.any():
-            self.pool.tree_incref(slots[held, 0])
+            self.pool.tree_incref(slots[:, 0][held])
             self._dirty.add(node)
         return node, slots
 
@@ -431,11 +431,12 @@ class RadixTree:
 def _count_reads(node: TreeNode, rows: np.ndarray, positions: np.ndarray, delta: int) -> None:
     """Add ``delta`` to the count of paths reading row ``rows[i]`` at ``positions[i]``."""
     if node.read_cnt.shape[1] == 1:  # one position per row so far: no column to choose
-        counted = node.read_cnt[rows, 0]
-        found = (node.read_pos[rows, 0] == positions) & (counted > 0)
+        read_pos, read_cnt = node.read_pos[:, 0], node.read_cnt[:, 0]
+        counted = read_cnt[rows]
+        found = (read_pos[rows] == positions) & (counted > 0)
         if found.all() or (delta > 0 and not counted[~found].any()):
-            node.read_pos[rows, 0] = positions
-            node.read_cnt[rows, 0] = counted + delta
+            read_pos[rows] = positions
+            read_cnt[rows] = counted + delta
             return
     match = (node.read_pos[rows] == positions[:, None]) & (node.read_cnt[rows] > 0)
     found = match.any(axis=1)
