@@ -68,8 +68,9 @@ class SlotPool:
         if type(size) is not int or size < 1:
             raise PoolError(f"size: {size!r} is not a positive int")
         self.size = size
-        self._refs = np.zeros(size + 1, dtype=np.int64)
-        self._tree = np.zeros(size + 1, dtype=np.int64)
+        # written now (np.full, not the lazily mapped np.zeros): a slot's first use then takes no page fault
+        self._refs = np.full(size + 1, 0, dtype=np.int64)
+        self._tree = np.full(size + 1, 0, dtype=np.int64)
         self._free_list: FreeList = ArrayFreeList(size) if free_list is None else free_list
         self._on_free = on_free
         self._n_evictable = 0
