@@ -3,16 +3,17 @@ radix backend (``AkvRadixCache``), side by side in one process, through SGLang's
 CPU tensors.
 
 Each backend has its own ``ReqToTokenPool`` + ``TokenToKVPoolAllocator`` (page size 1) and gets the
-calls the scheduler makes for a burst of distinct ~1.9k-token prompts sharing their first 6 tokens
-(the Qwen3 chat header), 128 generated tokens each: ``match_prefix`` and ``inc_lock_ref``; one
-extend batch (request slots, ``alloc_token_slots``, the ``req_to_token`` writes and, for AKV, the
-``host_rows.record`` of ``batch_metadata.for_extend``); ``cache_unfinished_req`` after the prefill;
-128 decode steps (one slot per request, the ``req_to_token`` write and, for AKV, ``for_decode``'s
-``host_rows.record``); ``cache_finished_req`` and the request slot freed. The bursts alternate
-between the backends (which goes first alternates too), each on a tree that holds its earlier
-bursts; the first burst of each repeat is untimed.
+calls the scheduler makes for a burst of distinct ~1.9k-token prompts sharing their first 6 tokens,
+128 generated tokens each: ``match_prefix`` and ``inc_lock_ref``; one extend batch (request slots,
+``alloc_token_slots``, the ``req_to_token`` writes and, for AKV, the ``host_rows.record`` of
+``batch_metadata.for_extend``); ``cache_unfinished_req`` after the prefill; 128 decode steps (one
+slot per request, the ``req_to_token`` write and, for AKV, ``for_decode``'s ``host_rows.record``);
+``cache_finished_req`` and the request slot freed. The bursts alternate between the backends (which
+goes first alternates too), each on a tree that holds its earlier bursts; the first burst of each
+repeat is untimed, and the prefixes both match are checked equal.
 
-    PYTHONPATH=<site with the patched sglang wheel> python bench/plain_backend.py [--bursts 4] [--repeats 5] [--out FILE]
+    PYTHONPATH=<site with the patched sglang wheel> python bench/plain_backend.py [--bursts 4] [--repeats 5] \
+        [--out FILE]
 """
 
 from __future__ import annotations
