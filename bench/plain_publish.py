@@ -1,6 +1,6 @@
 """CPU cost of the AKV radix backend's plain-request bookkeeping (``akv.system.cache.plain``) in a
 16-request burst: each request (~1.9k distinct prompt tokens, 128 generated) is matched, published
-after its prefill (insert, the resident re-match, the lock swap) and published again when it
+after its prefill (insert, which returns the resident slots, and the lock swap) and published again when it
 finishes, on a CacheCore whose tree already holds earlier bursts. The work the H200's plain burst spends on the scheduler's CPU
 (``bench/results/akv-decode-bench-h200-burst2.json``), without SGLang or a model.
 
@@ -39,8 +39,7 @@ def burst(core: CacheCore, seed: int) -> dict[str, float]:
         live.append((ids, np.concatenate([prefix, core.pool._free_list.take(PROMPT - prefix.size)]), prefix))
     for i, (ids, row, prefix) in enumerate(live):
         t = time.perf_counter()
-        plain.publish(core, row, prefix.size, ids, "")
-        slots = plain.resident_prefix(core, ids, "")
+        slots = plain.publish(core, row, prefix.size, ids, "")
         core.pool.incref(slots)
         core.pool.decref(prefix)
         spent["after_prefill"] += time.perf_counter() - t

@@ -211,3 +211,29 @@ def test_versions_a_pruned_path_end_leaves_unkept_go_before_lru_leaves() -> None
     freed.clear()
     core.tree.evict(6)
     assert sorted(freed) == [1, 2, 3, 4, 5, 6, 10, 13]
+
+
+def test_a_growing_path_end_keeps_the_counts_of_a_full_recount() -> None:
+    """A plain request published after its prefill and again at its finish (the leaf grows, its
+    terminal extended), then grown once more under a terminal that drops tokens 2-3 and moves the
+    rest back by 2 (not an extension), and a branch beside it that keeps them: the incremental read
+    counts equal a full recount and the ranks the brute force's after every publication."""
+    pool = SlotPool(128)
+    tree = RadixTree(pool)
+    ids = np.arange(100, 130)
+    published: list[Published] = []
+    moved = np.concatenate([[0, 1, -1, -1], np.arange(2, 24)])
+    resident: list[int] = []
+    for n, terminal in ((12, np.arange(12)), (20, np.arange(20)), (26, moved), (8, np.arange(8))):
+        key = plain_key(ids[:n] if n != 8 else np.concatenate([ids[:5], [7, 8, 9]]))
+        slots = _publish(tree, key, terminal.tolist())
+        resident += slots[len(resident):].tolist() if n != 8 else []
+        published.append((tuple(key.records.tolist()), terminal))
+        assert_counts_agree(tree)
+        ranks = brute_ranks(recorded(tree, published), resident_cells(tree, published))
+        got = tree.ranks()
+        for rank in (DROPPED, STALE, 2):
+            assert sorted(got[rank].tolist()) == sorted(s for s, r in ranks.items() if r == rank), f"rank {rank}"
+        if n == 26:  # hand-derived: tokens 2-3 dropped by the one path, every later token read 2 back
+            assert sorted(got[DROPPED].tolist()) == sorted(resident[2:4])
+            assert sorted(got[STALE].tolist()) == sorted(resident[4:26])

@@ -44,3 +44,78 @@ def test_misuse_names_the_slot() -> None:
         pool.alloc(5)
     with pytest.raises(PoolError, match="size"):
         SlotPool(0)
+
+
+def test_random_reference_changes_match_per_slot_counters() -> None:
+    """Request and tree references, listed with repeats, against brute-force per-slot counters: the
+    counts, the free list, the slots each release frees, and every refusal (slot out of range, free,
+    released too often, adopted twice or while held) naming the slot and changing nothing."""
+    size = 12
+    rng = np.random.default_rng(5)
+    freed: list[list[int]] = []
+    pool = SlotPool(size, on_free=lambda s: freed.append(s.tolist()))
+    refs, tree = np.zeros(size + 2, dtype=np.int64), np.zeros(size + 2, dtype=np.int64)
+    ops = {"incref": (pool.incref, refs, 1), "decref": (pool.decref, refs, -1),
+           "tree_incref": (pool.tree_incref, tree, 1), "tree_decref": (pool.tree_decref, tree, -1)}
+    for _ in range(4000):
+        name = str(rng.choice(["alloc", "adopt", *ops]))
+        held = np.flatnonzero(refs + tree > 0)
+        if name == "alloc":
+            n = int(rng.integers(0, 4))
+            if n > size - held.size:
+                with pytest.raises(PoolExhausted):
+                    pool.alloc(n)
+            else:
+                slots = pool.alloc(n)
+                assert not (refs[slots] + tree[slots]).any() and np.unique(slots).size == n
+                refs[slots] = 1
+        elif name == "adopt":
+            taken = pool._free_list.take(min(int(rng.integers(1, 4)), size - held.size))
+            slots = taken
+            if held.size and rng.random() < 0.2:
+                slots = np.append(taken, rng.choice(held))
+            elif taken.size and rng.random() < 0.2:
+                slots = np.append(taken, taken[0])
+            if slots.size > np.unique(slots).size:
+                with pytest.raises(PoolError, match="adopt lists a slot twice"):
+                    pool.adopt(slots)
+                pool._free_list.give(taken)
+            elif slots.size > taken.size:
+                with pytest.raises(PoolError, match=rf"adopt of slot {int(slots[-1])}, which is already held"):
+                    pool.adopt(slots)
+                pool._free_list.give(taken)
+            else:
+                pool.adopt(slots)
+                refs[slots] = 1
+        else:
+            call, counter, delta = ops[name]
+            pick = held if held.size and rng.random() < 0.9 else np.arange(size + 2)
+            slots = rng.choice(pick, size=int(rng.integers(0, 5)))
+            listed = np.bincount(slots, minlength=size + 2)
+            outside = slots[(slots < 1) | (slots > size)]
+            free = slots[(refs[slots] + tree[slots]) == 0]
+            over = np.flatnonzero(counter + delta * listed < 0)
+            n_freed = len(freed)
+            if outside.size:
+                with pytest.raises(PoolError, match=rf"{name} of slot {int(outside[0])} outside 1..{size}"):
+                    call(slots)
+            elif free.size:
+                with pytest.raises(PoolError, match=rf"{name} of slot {int(free[0])}, which is free"):
+                    call(slots)
+            elif over.size:
+                with pytest.raises(PoolError, match=rf"slot {int(over[0])} released more often than referenced"):
+                    call(slots)
+            else:
+                counter += delta * listed
+                gone = [int(s) for s in np.unique(slots) if refs[s] + tree[s] == 0]
+                result = call(slots)
+                assert (result == len(gone)) if delta < 0 else result is None
+                assert freed[n_freed:] == ([gone] if gone else [])
+            if outside.size or free.size or over.size:
+                assert len(freed) == n_freed
+        inner = slice(1, size + 1)
+        assert np.array_equal(pool.refcount(np.arange(1, size + 1)), (refs + tree)[inner])
+        assert np.array_equal(pool.request_refs(np.arange(1, size + 1)), refs[inner])
+        assert pool.n_protected == int((refs[inner] > 0).sum())
+        assert pool.n_evictable == int(((refs[inner] == 0) & (tree[inner] > 0)).sum())
+        assert pool.n_free == size - pool.n_held

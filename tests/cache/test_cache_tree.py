@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from akv.system.cache import plain
+from akv.system.cache.core import CacheCore
 from akv.system.cache.keys import DROP_CLOSE, DROP_OPEN, RecordKey, plain_key
 from akv.system.cache.pool import SlotPool
 from akv.system.cache.tree import RadixTree
@@ -99,3 +101,36 @@ def test_stats_count_tokens_not_events() -> None:
     _publish(tree, RecordKey(np.array([1, 2, DROP_OPEN, -8, -9, DROP_CLOSE, 5]), np.array([0, 1, 6])), [0, 1, 2])
     _publish(tree, plain_key(np.array([1, 2, 3])), [0, 0, 2])
     assert tree.stats() == {"nodes": 3, "token_records": 4, "versions": 5}
+
+
+def test_insert_returns_the_slot_resident_for_each_given_version() -> None:
+    """Publications over shared prefixes, with events, duplicates and two versions per token: each
+    given (token, position) maps to the slot a match then finds there; a plain publication's
+    resident slots are what ``resident_prefix`` re-matches."""
+    core = CacheCore(SlotPool(400))
+    tree = core.tree
+    rng = np.random.default_rng(3)
+    drop = [DROP_OPEN, -9, -10, DROP_CLOSE]
+    duplicates = 0
+    keys = [plain_key(np.array([1, 2, 3, 4, 5])), plain_key(np.array([1, 2, 3, 8])),
+            RecordKey(np.array([1, 2, *drop, 3, 4]), np.array([0, 1, 6, 7])), plain_key(np.array([1, 2, 3, 4, 5, 6]))]
+    for step in range(12):
+        key = keys[step % len(keys)]
+        width = 1 + step % 2
+        allocated = tree.pool.alloc(key.n_tokens * width)
+        slots = allocated.reshape(key.n_tokens, width).copy()
+        positions = rng.integers(0, 3, size=slots.shape) + np.arange(key.n_tokens)[:, None]
+        positions[:, 1:] = np.where(positions[:, 1:] == positions[:, :1], positions[:, 1:] + 5, positions[:, 1:])
+        slots[rng.random(slots.shape) < 0.2] = -1
+        resident = tree.insert(key, slots, np.where(slots >= 0, positions, -1), positions[:, 0])
+        versions = _versions(tree, key)
+        want = [[versions[t][int(p)] if s >= 0 else -1 for s, p in zip(slots[t], positions[t])]
+                for t in range(key.n_tokens)]
+        assert resident.tolist() == want, f"step {step}"
+        duplicates += int(((resident != slots) & (slots >= 0)).sum())
+        tree.pool.decref(allocated)
+    assert duplicates > 0
+    for ids in ([1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9]):
+        ids = np.array(ids)
+        row = core.pool._free_list.take(ids.size)  # allocated by the engine, as the radix backend's rows
+        assert np.array_equal(plain.publish(core, row, 0, ids, ""), plain.resident_prefix(core, ids, ""))

@@ -99,7 +99,7 @@ class Audit:
         alloc, free = allocator.alloc, allocator.free
         self.core.finish = lambda request, ids=None, slots=None: (self._finish(request, ids, slots),
                                                                   finish(request, ids, slots))
-        cache._publish_plain = lambda req, row, is_insert: (self._publish(req, row), publish(req, row, is_insert))
+        cache._publish_plain = lambda req, row, is_insert: (self._publish(req, row), publish(req, row, is_insert))[1]
         evict = cache.evict
         cache.evict = lambda params: self._evicted(evict(params))
         allocator.alloc = lambda *a, **k: self._allocated(alloc(*a, **k))

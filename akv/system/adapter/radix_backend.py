@@ -177,11 +177,8 @@ class AkvRadixCache(BasePrefixCache):
             self.core.pool.decref(generated)
 
     def _cache_unfinished_plain(self, req: Any) -> None:
-        ids = req.get_fill_ids()
-        row = self._row(req, len(ids))
-        self._publish_plain(req, row, True)
-        slots = plain.resident_prefix(self.core, np.asarray(ids, dtype=np.int64), req.extra_key or "")
-        assert slots.size == row.size, (slots.size, row.size)
+        row = self._row(req, len(req.get_fill_ids()))
+        slots = self._publish_plain(req, row, True)
         lock = PlainLock(slots)
         self.inc_lock_ref(lock)
         self.dec_lock_ref(req.last_node)
@@ -193,10 +190,11 @@ class AkvRadixCache(BasePrefixCache):
         req.cache_protected_len = slots.size
         req.last_node = lock
 
-    def _publish_plain(self, req: Any, row: np.ndarray, is_insert: bool) -> None:
-        """Insert a plain request's tokens with their slots; its own slots go to the tree or back."""
+    def _publish_plain(self, req: Any, row: np.ndarray, is_insert: bool) -> np.ndarray:
+        """Insert a plain request's tokens with their slots; its own slots go to the tree or back.
+        Returns the slots resident for them now (empty when not inserted)."""
         ids = np.asarray((req.origin_input_ids + req.output_ids)[: row.size], dtype=np.int64) if is_insert else None
-        plain.publish(self.core, row, req.cache_protected_len, ids, req.extra_key or "")
+        return plain.publish(self.core, row, req.cache_protected_len, ids, req.extra_key or "")
 
     def _row(self, req: Any, length: int, start: int = 0) -> np.ndarray:
         """The request's ``req_to_token`` columns ``[start, length)``, from the host copy (and, with

@@ -19,13 +19,17 @@ def resident_prefix(core: CacheCore, ids: np.ndarray, namespace: str) -> np.ndar
     return match.slots[np.arange(n), exact[:n].argmax(axis=1)].astype(np.int64)
 
 
-def publish(core: CacheCore, row: np.ndarray, protected: int, ids: np.ndarray | None, namespace: str) -> None:
+def publish(core: CacheCore, row: np.ndarray, protected: int, ids: np.ndarray | None, namespace: str) -> np.ndarray:
     """``row[protected:]`` are the request's own slots: inserted with the rest of ``row`` under
     ``ids`` (None: not inserted), then the request's references dropped (a slot the tree did not
-    take is freed)."""
+    take is freed). Returns the slots now resident for the row's tokens at their own positions
+    (what :func:`resident_prefix` finds for ``ids[:row.size]``; empty when not inserted)."""
     own = row[protected:]
     core.pool.adopt(own)
+    resident = np.zeros(0, dtype=np.int64)
     if ids is not None and row.size:
         positions = np.arange(row.size, dtype=np.int64)
-        core.tree.insert(plain_key(ids[: row.size], namespace), row[:, None], positions[:, None], positions)
+        resident = core.tree.insert(plain_key(ids[: row.size], namespace), row[:, None], positions[:, None],
+                                    positions)[:, 0]
     core.pool.decref(own)
+    return resident

@@ -59,9 +59,6 @@ class ArrayFreeList:
         self._n_free += slots.size
 
 
-_FREE, _EVICTABLE, _PROTECTED = 0, 1, 2
-
-
 class SlotPool:
     """Per-slot request and tree reference counts over a free list; ``on_free`` sees every batch
     of slots freed."""
@@ -71,11 +68,13 @@ class SlotPool:
         if type(size) is not int or size < 1:
             raise PoolError(f"size: {size!r} is not a positive int")
         self.size = size
-        self._refs = np.zeros(size + 1, dtype=np.int64)
-        self._tree = np.zeros(size + 1, dtype=np.int64)
+        # written now (np.full, not the lazily mapped np.zeros): a slot's first use then takes no page fault
+        self._refs = np.full(size + 1, 0, dtype=np.int64)
+        self._tree = np.full(size + 1, 0, dtype=np.int64)
         self._free_list: FreeList = ArrayFreeList(size) if free_list is None else free_list
         self._on_free = on_free
-        self._counts = np.zeros(3, dtype=np.int64)
+        self._n_evictable = 0
+        self._n_protected = 0
 
     @property
     def n_free(self) -> int:
@@ -84,12 +83,12 @@ class SlotPool:
     @property
     def n_evictable(self) -> int:
         """Slots only the tree holds."""
-        return int(self._counts[_EVICTABLE])
+        return self._n_evictable
 
     @property
     def n_protected(self) -> int:
         """Slots some request holds."""
-        return int(self._counts[_PROTECTED])
+        return self._n_protected
 
     @property
     def n_held(self) -> int:
@@ -113,7 +112,7 @@ class SlotPool:
         slots = self._in_range(slots, "adopt")
         if slots.size == 0:
             return
-        if _unique(slots).size != slots.size:
+        if _unique_counts(slots)[0].size != slots.size:
             raise PoolError("slots: adopt lists a slot twice")
         held = (self._refs[slots] + self._tree[slots]) > 0
         if held.any():
@@ -122,19 +121,19 @@ class SlotPool:
 
     def incref(self, slots: np.ndarray) -> None:
         """Add one request reference per listed slot (repeats add several); slots must be held."""
-        self._change(self._held(slots, "incref"), self._refs, 1)
+        self._change(slots, "incref", self._refs, 1)
 
     def decref(self, slots: np.ndarray) -> int:
         """Drop one request reference per listed slot; returns how many slots were freed."""
-        return self._change(self._held(slots, "decref"), self._refs, -1)
+        return self._change(slots, "decref", self._refs, -1)
 
     def tree_incref(self, slots: np.ndarray) -> None:
         """The tree takes one reference per listed slot (each must be held already)."""
-        self._change(self._held(slots, "tree_incref"), self._tree, 1)
+        self._change(slots, "tree_incref", self._tree, 1)
 
     def tree_decref(self, slots: np.ndarray) -> int:
         """The tree drops one reference per listed slot; returns how many slots were freed."""
-        return self._change(self._held(slots, "tree_decref"), self._tree, -1)
+        return self._change(slots, "tree_decref", self._tree, -1)
 
     def refcount(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)
@@ -145,24 +144,34 @@ class SlotPool:
 
     def _adopt(self, slots: np.ndarray) -> None:
         self._refs[slots] = 1
-        self._counts[_PROTECTED] += slots.size
+        self._n_protected += int(slots.size)
 
-    def _state(self, slots: np.ndarray) -> np.ndarray:
-        return np.where(self._refs[slots] > 0, _PROTECTED, np.where(self._tree[slots] > 0, _EVICTABLE, _FREE))
-
-    def _change(self, slots: np.ndarray, refs: np.ndarray, delta: int) -> int:
+    def _change(self, slots: np.ndarray, op: str, holder: np.ndarray, delta: int) -> int:
+        """Add ``delta`` references of one holder (``holder``: the request or the tree counts) per
+        listing of each slot, every slot held; all or nothing. Returns how many slots were freed."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return 0
-        touched = _unique(slots)
-        before = self._state(touched)
-        np.add.at(refs, slots, delta)
-        if (refs[touched] < 0).any():
-            bad = int(touched[refs[touched] < 0][0])
-            np.add.at(refs, slots, -delta)
-            raise PoolError(f"slots: slot {bad} released more often than referenced")
-        after = self._state(touched)
-        self._counts += np.bincount(after, minlength=3) - np.bincount(before, minlength=3)
-        freed = touched[after == _FREE]
+        touched, counts = _unique_counts(slots)
+        if touched[0] < 1 or touched[-1] > self.size:
+            self._in_range(slots, op)
+        requests, tree = self._refs[touched], self._tree[touched]
+        if not (requests + tree).all():
+            self._refuse_free(slots, op)
+        changed = (requests if holder is self._refs else tree) + delta * counts
+        if delta < 0 and (changed < 0).any():
+            raise PoolError(f"slots: slot {int(touched[changed < 0][0])} released more often than referenced")
+        holder[touched] = changed
+        protected = 0
+        if holder is self._refs:
+            protected = int(np.count_nonzero(changed)) - int(np.count_nonzero(requests))
+            requests = changed
+        else:
+            tree = changed
+        freed = touched[(requests + tree) == 0] if delta < 0 else touched[:0]
+        # every touched slot was held: those that did not become or stay protected, nor were freed, are evictable
+        self._n_protected += protected
+        self._n_evictable -= protected + int(freed.size)
         if freed.size:
             self._free_list.give(freed)
             if self._on_free is not None:
@@ -176,18 +185,23 @@ class SlotPool:
             raise PoolError(f"slots: {op} of slot {int(slots[out_of_range][0])} outside 1..{self.size}")
         return slots
 
-    def _held(self, slots: np.ndarray, op: str) -> np.ndarray:
-        slots = self._in_range(slots, op)
+    def _refuse_free(self, slots: np.ndarray, op: str) -> None:
+        """Raise naming the first listed slot that is free (the caller found one)."""
         free = (self._refs[slots] + self._tree[slots]) == 0
-        if free.any():
-            raise PoolError(f"slots: {op} of slot {int(slots[free][0])}, which is free")
-        return slots
+        raise PoolError(f"slots: {op} of slot {int(slots[free][0])}, which is free")
 
 
-def _unique(slots: np.ndarray) -> np.ndarray:
-    """``np.unique(slots)`` by sorting: numpy 2's hashing ``unique`` takes ~14x longer on the
-    few-thousand-slot arrays a request publishes."""
+def _unique_counts(slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
+    """The distinct slots, sorted, and how often each is listed (1 when none repeats). By sorting:
+    numpy 2's hashing ``unique`` takes ~14x longer on the few-thousand-slot arrays a request
+    publishes."""
+    if slots.size < 2 or (slots[1:] > slots[:-1]).all():  # already sorted and distinct (a typical allocation)
+        return slots, 1
     ordered = np.sort(slots)
-    keep = np.ones(ordered.size, dtype=bool)
-    keep[1:] = ordered[1:] != ordered[:-1]
-    return ordered[keep]
+    first = np.ones(ordered.size, dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    if first.all():
+        return ordered, 1
+    starts = np.flatnonzero(first)
+    return ordered[starts], np.diff(np.append(starts, ordered.size))
+

@@ -14,8 +14,9 @@ versions no request references are released.
 
 Each node counts, per token record, the recorded paths below it that read the token and at which
 positions (``read_pos``/``read_cnt``); a path end adds itself along its path when it is recorded
-and takes itself back when it stops being a leaf or is pruned, so ranking costs O(path) per
-publication and O(nodes touched since) per eviction, never a walk of every path.
+and takes itself back when it stops being a leaf or is pruned (a new leaf whose terminal extends
+its parent's only adds its own), so ranking costs O(path) per publication and O(nodes touched
+since) per eviction, never a walk of every path.
 """
 
 from __future__ import annotations
@@ -131,12 +132,14 @@ class RadixTree:
         slots, positions = _gather(parts, key.token_record[:n_tokens])
         return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
 
-    def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> None:
+    def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> np.ndarray:
         """Publish versions for ``key``'s tokens: ``slots[t, j]`` at ``positions[t, j]`` (-1 = none).
 
         Versions the tree lacks are adopted (the tree takes a reference); duplicates of a resident
         (token, position) are left to the caller. ``terminal[t]`` is the position token ``t`` is read
         at from the end of this path (-1 when dropped); the path's end keeps it to rank eviction.
+        Returns the slot now resident for each given version (``slots``' shape; -1 where none was
+        given): its own, or the resident duplicate's.
         """
         n = key.n_tokens
         for name, arr in (("slots", slots), ("positions", positions)):
@@ -147,30 +150,37 @@ class RadixTree:
         if terminal.shape != (n,):
             raise TreeError(f"terminal: expected shape ({n},), got {terminal.shape}")
         n_rec = key.records.shape[0]
-        rec_slots = np.full((n_rec, slots.shape[1]), _EMPTY, dtype=np.int64)
-        rec_positions = np.full_like(rec_slots, _EMPTY)
-        rec_slots[key.token_record] = slots
-        rec_positions[key.token_record] = np.where(slots >= 0, positions, _EMPTY)
+        positions = np.where(slots >= 0, positions, _EMPTY)
+        if n_rec == n:  # no event records: token t is record t
+            rec_slots, rec_positions = slots, positions
+        else:
+            rec_slots = np.full((n_rec, slots.shape[1]), _EMPTY, dtype=np.int64)
+            rec_positions = np.full_like(rec_slots, _EMPTY)
+            rec_slots[key.token_record] = slots
+            rec_positions[key.token_record] = positions
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
+        resident = []
         i = 0
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
             if child is None:
-                child = self._new_node(key.records[i:].copy(), node)
+                child, own = self._new_leaf(node, key.records[i:].copy(), rec_slots[i:], rec_positions[i:])
+                resident.append(own)
                 common = n_rec - i
             else:
                 common = _common_prefix(child.key, key.records[i:])
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
-            lo, hi = i, i + common
-            self._merge(child, rec_slots[lo:hi], rec_positions[lo:hi])
+                resident.append(self._merge(child, rec_slots[i : i + common], rec_positions[i : i + common]))
             self._touch(child, stamp)
-            i = hi
+            i += common
             node = child
         if n_rec and not node.children:
-            self._record_end(node, np.asarray(terminal, dtype=np.int64))
+            self._end_path(node, np.asarray(terminal, dtype=np.int64))
+        out = np.concatenate(resident) if resident else rec_slots
+        return out if n_rec == n else out[key.token_record]
 
     def evict(self, n_slots: int) -> int:
         """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
@@ -223,6 +233,21 @@ class RadixTree:
                     self._ranked[rank].discard(node)
         self._dirty.clear()
 
+    def _end_path(self, leaf: TreeNode, terminal: np.ndarray) -> None:
+        """Record the path ending at ``leaf``. A new leaf under a former path end takes that end
+        over; when ``terminal`` extends the end's own, only the leaf's reads are new."""
+        parent = leaf.parent
+        assert parent is not None
+        old = parent.terminal
+        if old is not None:
+            if leaf.terminal is None and np.array_equal(terminal[: old.size], old):
+                parent.terminal = None
+                leaf.terminal = terminal.copy()
+                self._count_node(leaf, terminal[old.size :], 1)
+                return
+            self._forget_end(parent)
+        self._record_end(leaf, terminal)
+
     def _record_end(self, node: TreeNode, terminal: np.ndarray) -> None:
         """Make leaf ``node`` the end of a recorded path with ``terminal`` (replacing its own)."""
         if node.terminal is not None:
@@ -244,15 +269,22 @@ class RadixTree:
         stop = terminal.size
         node: TreeNode | None = end
         while node is not None and node.attached:
-            rows = np.flatnonzero(node.key >= 0)
-            start = stop - rows.size
-            final = terminal[start:stop]
-            stop = start
-            kept = final >= 0
-            if kept.any():
-                _count_reads(node, rows[kept], final[kept], delta)
-                self._dirty.add(node)
+            stop -= self._count_node(node, terminal[: stop], delta)
             node = node.parent
+
+    def _count_node(self, node: TreeNode, terminal: np.ndarray, delta: int) -> int:
+        """Count the reads of ``node``'s tokens, the last entries of ``terminal``; returns how many
+        tokens the node has."""
+        rows = np.flatnonzero(node.key >= 0)
+        final = terminal[terminal.size - rows.size :]
+        kept = final >= 0
+        if kept.all():
+            _count_reads(node, rows, final, delta)
+            self._dirty.add(node)
+        elif kept.any():
+            _count_reads(node, rows[kept], final[kept], delta)
+            self._dirty.add(node)
+        return rows.size
 
     def flush(self) -> None:
         """Give back every reference the tree holds and forget all paths."""
@@ -306,15 +338,25 @@ class RadixTree:
         stamp, _, node = heapq.heappop(heap)
         return node if node.attached and stamp == node.last_access else None
 
-    def _new_node(self, key: np.ndarray, parent: TreeNode) -> TreeNode:
-        width = 1
-        empty = np.full((key.shape[0], width), _EMPTY, dtype=np.int64)
-        node = TreeNode(key, empty, empty.copy(), next(self._uids))
+    def _new_leaf(self, parent: TreeNode, key: np.ndarray, slots: np.ndarray,
+                  positions: np.ndarray) -> tuple[TreeNode, np.ndarray]:
+        """A leaf under ``parent`` for records ``key`` holding their given versions (what
+        :meth:`_merge` does for a node that holds nothing yet), and the slots resident for them."""
+        if slots.shape[1] == 1:
+            node = TreeNode(key, slots.copy(), positions.copy(), next(self._uids))
+        else:
+            empty = np.full((key.shape[0], 1), _EMPTY, dtype=np.int64)
+            node = TreeNode(key, empty, empty.copy(), next(self._uids))
         node.parent = parent
-        self._forget_end(parent)  # no longer a leaf: the path ends below it now
         parent.children[int(key[0])] = node
         self._n_nodes += 1
-        return node
+        if slots.shape[1] > 1:
+            return node, self._merge(node, slots, positions)
+        held = slots[:, 0] >= 0
+        if held.any():
+            self.pool.tree_incref(slots[:, 0][held])
+            self._dirty.add(node)
+        return node, slots
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` records; the new upper node is returned, ``node`` keeps the rest."""
@@ -333,10 +375,18 @@ class RadixTree:
         self._n_nodes += 1
         return upper
 
-    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> None:
+    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Add the versions ``node`` lacks; returns the slot resident for each given one."""
+        resident = slots.copy()
         for j in range(slots.shape[1]):
-            add = slots[:, j] >= 0
-            add &= ~((node.positions == positions[:, j, None]) & (node.slots >= 0)).any(axis=1)
+            same = (node.positions == positions[:, j, None]) & (node.slots >= 0)
+            duplicate = same.any(axis=1)
+            if node.slots.shape[1] == 1:  # the one version a row holds is the duplicate
+                resident[:, j] = np.where(duplicate, node.slots[:, 0], resident[:, j])
+            elif duplicate.any():
+                rows = np.flatnonzero(duplicate)
+                resident[rows, j] = node.slots[rows, same[rows].argmax(axis=1)]
+            add = (slots[:, j] >= 0) & ~duplicate
             if not add.any():
                 continue
             free = node.slots < 0
@@ -350,6 +400,7 @@ class RadixTree:
             node.positions[rows, cols] = positions[rows, j]
             self.pool.tree_incref(slots[rows, j])
             self._dirty.add(node)
+        return resident
 
     def _release(self, node: TreeNode, which: np.ndarray) -> int:
         held = (node.slots >= 0) & which
@@ -380,6 +431,14 @@ class RadixTree:
 
 def _count_reads(node: TreeNode, rows: np.ndarray, positions: np.ndarray, delta: int) -> None:
     """Add ``delta`` to the count of paths reading row ``rows[i]`` at ``positions[i]``."""
+    if node.read_cnt.shape[1] == 1:  # one position per row so far: no column to choose
+        read_pos, read_cnt = node.read_pos[:, 0], node.read_cnt[:, 0]
+        counted = read_cnt[rows]
+        found = (read_pos[rows] == positions) & (counted > 0)
+        if found.all() or (delta > 0 and not counted[~found].any()):
+            read_pos[rows] = positions
+            read_cnt[rows] = counted + delta
+            return
     match = (node.read_pos[rows] == positions[:, None]) & (node.read_cnt[rows] > 0)
     found = match.any(axis=1)
     if delta < 0 and not found.all():
