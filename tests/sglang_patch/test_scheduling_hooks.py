@@ -159,3 +159,38 @@ def test_admission_counts_the_slots_a_request_takes_not_the_columns_it_borrows()
     assert draft.plan.n_births < columns and draft.plan.plan.borrowed.size > 0  # it borrows after its first segment
     taken = core.admit(last).plan.fresh.size
     assert columns + extra_budget(req) == taken
+
+
+def test_a_draft_that_would_hold_more_than_the_room_left_is_planned_cold() -> None:
+    """A warm draft can hold more slots than the cold plan (a borrowed version held to the end where
+    the cold plan's copy slot is recycled): with the room that the clipped new tokens leave, only the
+    cold plan can ever be admitted, so the draft is the cold one; with more room it stays warm."""
+    conv = Conversation(140).add(8, 8)
+    turns = []
+    for lengths, drop, repos in [((7, 8), 0, True), ((9, 6), None, False), ((8, 4), 2, False), ((8, 4), 4, True),
+                                 ((7, 7), 1, True)]:
+        conv.add(*lengths)
+        if drop is not None:
+            conv.drop(drop)
+        if repos:
+            conv.reposition()
+        turns.append(conv.request(f"t{len(turns)}").program)
+    last = turns.pop()
+    core = CacheCore(SlotPool(1000))
+    for prog in turns:
+        core.finish(core.admit(prog))
+    for n in (3, 5, 7, 10, 15):  # the turn waits while the tree evicts
+        core.match(last)
+        core.tree.evict(n)
+    cold = CacheCore(SlotPool(1000)).admit(last).plan.fresh.size
+
+    def holds(draft) -> int:
+        return draft.plan.n_births + draft.n_copy_slots + np.unique(draft.plan.plan.borrowed).size
+
+    warm = core.match(last)
+    assert holds(warm) > cold  # the case in point
+    state = AkvRequest(last)
+    assert holds(state.plan_draft(core, room=cold)) == cold
+    assert state.plan_draft(core, room=cold).plan.plan.usage.cached_tokens == 0  # nothing reused
+    roomy = AkvRequest(last)
+    assert holds(roomy.plan_draft(core, room=holds(warm))) == holds(warm)
