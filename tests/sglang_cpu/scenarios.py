@@ -189,6 +189,29 @@ def rounds_pressure_waves(mix: str) -> list[list[Request]]:
     return [copies + others]
 
 
+def copies_near_the_pool_waves(n_copies: int) -> list[list[Request]]:
+    """A context turn, plain requests that evict its KV, then at once ``n_copies`` copies of the next
+    turn (three earlier messages dropped, one more dropped and repositioned now: four segments and 72
+    copy slots cold, 195 slots in all), another conversation's turn like it and a plain request. Each
+    copy's births and copies fit a 200-slot pool, but not with its 6 new tokens: SGLang's admission
+    never fits it, so its new tokens must be cut to what the pool leaves (as SGLang does for a plain
+    prompt); otherwise it waits forever and the whole queue with it."""
+    def turns(seed: int, n: int) -> Conversation:
+        conv = Conversation(seed).add(12, 12)
+        for t in range(n):
+            conv.add(12, 12).drop(2 * t)
+            if t % 2 == 1:
+                conv.reposition()
+        return conv
+    main = turns(70, 3)
+    fillers = [Conversation(80 + i).add(20, 20).request(f"near-fill-{i}", plain=True) for i in range(4)]
+    same = main.copy().add(12, 12).drop(6).reposition().request("near-same", max_new=6)
+    copies = [Request(f"near-copy-{i}", same.ids, same.program, max_new=6) for i in range(n_copies)]
+    return [[main.request("near-warm")], fillers,
+            copies + [turns(71, 4).request("near-other", max_new=6),
+                      Conversation(90).add(15, 15).request("near-plain", plain=True, max_new=6)]]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)

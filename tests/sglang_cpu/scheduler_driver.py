@@ -272,7 +272,20 @@ class Driver:
             if all(results.get(r, {}).get("finished") for r in rids) and self._idle():
                 return
             time.sleep(0.05)
-        raise TimeoutError(f"requests {rids} did not finish in {timeout} s")
+        raise TimeoutError(f"requests {rids} did not finish in {timeout} s; {self.state()}")
+
+    def state(self) -> str:
+        """Where every request is (waiting, between rounds, in the chunked slot, running, finished) and
+        the pool's counts: what a stalled wave is waiting for."""
+        s = self.scheduler
+        finished = [rid for rid, entry in self.results().items() if entry["finished"]]
+        chunked = None if s.chunked_req is None else s.chunked_req.rid
+        return (f"waiting {[r.rid for r in s.waiting_queue]}, between rounds "
+                f"{[r.rid for r in s.akv_rounds.reqs]}, chunked {chunked}, running "
+                f"{[r.rid for r in s.running_batch.reqs]} (batch_is_full {s.running_batch.batch_is_full}), "
+                f"finished {finished}, forwards {len(self.batches)}, pool "
+                f"{{'available': {s.token_to_kv_pool_allocator.available_size()}, "
+                f"'evictable': {s.tree_cache.evictable_size()}, 'protected': {s.tree_cache.protected_size()}}}")
 
     def _idle(self) -> bool:
         s = self.scheduler

@@ -6,6 +6,7 @@ with SGLang's strict idle leak check on."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,30 @@ def test_rounds_left_count_in_admission(patched_site: Path, tiny_qwen3: Path, or
     report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=180)
     for request in waves[0]:
         assert_exact(oracle_model, request, report["results"][request.rid])
+    assert_pool_back(report)
+
+
+@pytest.mark.parametrize("n_copies", [3, 5])
+def test_copies_of_a_request_near_the_pool_size_are_served_and_nothing_stalls(
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel, n_copies: int) -> None:
+    """Copies of a four-segment turn whose births and copies nearly fill the pool, sent at once with
+    another such turn and a plain request while the tree is full of evictable KV: each gets the new
+    tokens the pool leaves beside its slots (SGLang's admission bound), and no fewer; every request
+    finishes (before, the first copy was never admitted and the queue behind it waited forever), is
+    exact, and the pool ends as it began, with every cache read checked against the brute force."""
+    pool = 200
+    waves = scenarios.copies_near_the_pool_waves(n_copies)
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=pool, audit=True)
+    for wave in waves:
+        for request in wave:
+            granted = request.max_new
+            if request.program is not None:
+                need = CacheCore(SlotPool(1000)).admit(request.program).plan.fresh.size  # a cold admission's slots
+                granted = min(request.max_new, pool - need - 2)
+            assert_exact(oracle_model, replace(request, max_new=granted), report["results"][request.rid])
+    copy = waves[2][0]
+    assert len(report["results"][copy.rid]["ids"]) < copy.max_new, "the copies must be near the pool's size"
+    assert report["audit"]["context_plans"] == len(waves[0]) + n_copies + 1
     assert_pool_back(report)
 
 

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from akv.system.adapter.context_request import AkvRequest
-from akv.system.adapter.scheduling import attach, cap_extend, hold_rounds, must_wait
+from akv.system.adapter.scheduling import attach, cap_extend, extra_budget, hold_rounds, must_wait
 from akv.system.cache.occurrence import cold_plan
 from akv.system.cache.core import CacheCore
 from akv.system.cache.pool import SlotPool
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
 from akv.system.context.wire import encode_program
+from tests.sglang_cpu.scenarios import Conversation
 
 SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64)
 
@@ -28,8 +29,9 @@ def program(lengths: list[int], drop: dict | None = None, repos: list[int] | Non
     return compile_program(ids, owners, parse_rules(drop, repos, n), n)
 
 
-def request(prog) -> tuple[SimpleNamespace, SimpleNamespace]:
-    req = SimpleNamespace(origin_input_ids=prog.token_ids.tolist(), extra_key=None, akv=None)
+def request(prog, wanted: int | None = 4) -> tuple[SimpleNamespace, SimpleNamespace]:
+    req = SimpleNamespace(origin_input_ids=prog.token_ids.tolist(), extra_key=None, akv=None,
+                          sampling_params=SimpleNamespace(max_new_tokens=wanted))
     return req, SimpleNamespace(context_program=encode_program(prog))
 
 
@@ -67,16 +69,18 @@ def test_unservable_requests_are_refused(server, mangle, message) -> None:
 
 def test_kv_that_can_never_fit_is_refused_with_the_exact_cold_need() -> None:
     """A reposition after a drop re-rotates what follows the gap: births plus copies can exceed the
-    pool although the prompt alone fits. The limit is the cold plan's own count."""
+    pool although the prompt alone fits. The limit is the cold plan's own count and the 2 slots SGLang's
+    admission adds (one page, and a strict bound)."""
     prog = program([30, 30, 30, 2], {"2": [0]}, [2])
     need = cold_plan(prog).n_slots
     cold = CacheCore(SlotPool(1000)).admit(prog)
     assert need == cold.plan.fresh.size and need > prog.n_tokens
     req, recv = request(prog)
-    error = attach(req, recv, SERVER, pool_size=need - 1)
-    assert error == f"messages: the prompt needs {need} KV slots with its re-rotated copies, more than the {need - 1} this server holds"
+    error = attach(req, recv, SERVER, pool_size=need + 1)
+    assert error == (f"messages: the prompt needs {need} KV slots with its re-rotated copies (and 2 for admission), "
+                     f"more than the {need + 1} this server holds")
     req, recv = request(prog)
-    assert attach(req, recv, SERVER, pool_size=need) is None
+    assert attach(req, recv, SERVER, pool_size=need + 2) is None
 
 
 def test_rounds_stop_at_segment_ends_and_continue_beside_the_chunked_slot() -> None:
@@ -112,3 +116,81 @@ def test_rounds_stop_at_segment_ends_and_continue_beside_the_chunked_slot() -> N
     plain_chunked = SimpleNamespace(akv=None)
     assert not must_wait(SimpleNamespace(new_chunked_req=None, can_run_list=[plain_chunked], rem_chunk_tokens=4),
                          short, has_chunked_req=True)  # plain traffic keeps SGLang's own path
+
+
+def test_max_new_tokens_is_clipped_so_an_idle_server_admits_the_request() -> None:
+    """SGLang's admission needs births + copy slots + new tokens + one page strictly below the pool:
+    a request asking for more new tokens than that leaves gets fewer (as SGLang clips a plain prompt's);
+    otherwise it would wait forever, and every request queued behind it."""
+    prog = program([30, 30, 30, 2], {"2": [0]}, [2])
+    need = CacheCore(SlotPool(1000)).admit(prog).plan.fresh.size  # what a cold admission takes
+    for wanted, pool, granted in [(10, need + 2 + 3, 3), (3, need + 2 + 3, 3), (2, need + 2 + 3, 2),
+                                  (None, need + 2 + 3, 3), (10, need + 2, 0), (10, 1000, 10)]:
+        req, recv = request(prog, wanted)
+        assert attach(req, recv, SERVER, pool_size=pool) is None
+        assert req.sampling_params.max_new_tokens == granted, (wanted, pool)
+
+
+def test_admission_counts_the_slots_a_request_takes_not_the_columns_it_borrows() -> None:
+    """A turn whose first segment recomputes evicted KV while later columns borrow resident versions:
+    SGLang counts every column after the matched prefix, and the lock holds the borrowed slots too, so
+    without the correction a request that fits would be counted twice over what it borrows (and on an
+    idle server could wait forever). Admission's count equals the fresh slots the cache core takes."""
+    conv = Conversation(108).add(8, 8, 8, 5).reposition()
+    turns = [conv.request("t0").program]
+    conv.add(7, 8).reposition()
+    turns.append(conv.request("t1").program)
+    conv.add(7, 6).drop(0)
+    turns.append(conv.request("t2").program)
+    conv.add(4, 9).drop(2).reposition()
+    last = conv.request("t3").program
+    core = CacheCore(SlotPool(1000))
+    for prog in turns:
+        core.finish(core.admit(prog))
+    for _ in range(2):  # the turn waits while the tree evicts: each draft refreshes the KV it borrows
+        core.match(last)
+        core.tree.evict(7)
+    req, recv = request(last)
+    attach(req, recv, SERVER, pool_size=1000)
+    draft = req.akv.plan_draft(core)
+    req.full_untruncated_fill_ids = list(last.token_ids)
+    req.prefix_indices = np.zeros(req.akv.first_start, dtype=np.int64)
+    columns = last.n_tokens - req.akv.first_start
+    assert draft.plan.n_births < columns and draft.plan.plan.borrowed.size > 0  # it borrows after its first segment
+    taken = core.admit(last).plan.fresh.size
+    assert columns + extra_budget(req) == taken
+
+
+def test_a_draft_that_would_hold_more_than_the_room_left_is_planned_cold() -> None:
+    """A warm draft can hold more slots than the cold plan (a borrowed version held to the end where
+    the cold plan's copy slot is recycled): with the room that the clipped new tokens leave, only the
+    cold plan can ever be admitted, so the draft is the cold one; with more room it stays warm."""
+    conv = Conversation(140).add(8, 8)
+    turns = []
+    for lengths, drop, repos in [((7, 8), 0, True), ((9, 6), None, False), ((8, 4), 2, False), ((8, 4), 4, True),
+                                 ((7, 7), 1, True)]:
+        conv.add(*lengths)
+        if drop is not None:
+            conv.drop(drop)
+        if repos:
+            conv.reposition()
+        turns.append(conv.request(f"t{len(turns)}").program)
+    last = turns.pop()
+    core = CacheCore(SlotPool(1000))
+    for prog in turns:
+        core.finish(core.admit(prog))
+    for n in (3, 5, 7, 10, 15):  # the turn waits while the tree evicts
+        core.match(last)
+        core.tree.evict(n)
+    cold = CacheCore(SlotPool(1000)).admit(last).plan.fresh.size
+
+    def holds(draft) -> int:
+        return draft.plan.n_births + draft.n_copy_slots + np.unique(draft.plan.plan.borrowed).size
+
+    warm = core.match(last)
+    assert holds(warm) > cold  # the case in point
+    state = AkvRequest(last)
+    assert holds(state.plan_draft(core, room=cold)) == cold
+    assert state.plan_draft(core, room=cold).plan.plan.usage.cached_tokens == 0  # nothing reused
+    roomy = AkvRequest(last)
+    assert holds(roomy.plan_draft(core, room=holds(warm))) == holds(warm)

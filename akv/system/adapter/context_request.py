@@ -22,6 +22,11 @@ VISIBLE_ALWAYS = np.iinfo(np.int32).max
 """``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
 
 
+def _holds(draft: Draft) -> int:
+    """Slots a request planned by ``draft`` holds at its peak: births, copy slots and borrowed versions."""
+    return draft.plan.n_births + draft.n_copy_slots + int(np.unique(draft.plan.plan.borrowed).size)
+
+
 class AkvRequest:
     """Program, plan and progress of one context request; also its radix-cache lock handle."""
 
@@ -42,14 +47,20 @@ class AkvRequest:
 
     # ---- planning -------------------------------------------------------------------------------
 
-    def plan_draft(self, core: CacheCore, *, cold: bool = False) -> Draft:
+    def plan_draft(self, core: CacheCore, *, cold: bool = False, room: int | None = None) -> Draft:
         """The draft against the tree as it is now (recomputed only when the tree changed, unless
-        locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode)."""
+        locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode). ``room``:
+        the most slots the request may hold (the pool less its new tokens and admission's slack); a
+        draft that would hold more (what it borrows as well as its births and copies) is replaced by
+        the cold plan, which always fits (:func:`akv.system.adapter.scheduling.attach`), else the
+        request could never be admitted."""
         if self.pinned is not None and self.draft is not None:
             return self.draft
         if self.draft is None or self.draft.epoch != core.epoch or cold != self._cold:
             self.draft = core.match(self.program, self.namespace, cold=cold)
             self._cold = cold
+            if not cold and room is not None and _holds(self.draft) > room:
+                self.draft = core.match(self.program, self.namespace, cold=True)
         return self.draft
 
     @property

@@ -23,6 +23,7 @@ from akv.system.adapter.batch_metadata import VisibilityTable
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.device import to_device
 from akv.system.adapter.metrics import AkvMetrics
+from akv.system.adapter.scheduling import ADMISSION_SLACK
 from akv.system.adapter.window_lists import PositionTable, window_from_radius
 from akv.system.cache import plain
 from akv.system.cache.core import CacheCore
@@ -117,7 +118,9 @@ class AkvRadixCache(BasePrefixCache):
         if state.active is None and generated > state.program.n_tokens - state.base.n_tokens:
             state.readmit(list(req.output_ids))
         if state.active is None:
-            state.plan_draft(self.core, cold=bool(envs.SGLANG_RADIX_FORCE_MISS.get()))
+            new_tokens = max(req.sampling_params.max_new_tokens - generated, 0)
+            state.plan_draft(self.core, cold=bool(envs.SGLANG_RADIX_FORCE_MISS.get()),
+                             room=self.core.pool.size - new_tokens - ADMISSION_SLACK)
         return self._result(np.zeros(state.first_start, dtype=np.int64), state)
 
     def _result(self, slots: np.ndarray, node: Any) -> MatchResult:

@@ -11,11 +11,18 @@ from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
 from akv.system.cache.occurrence import cold_plan
 from akv.system.context.wire import WireError, decode_program
 
+ADMISSION_SLACK = 2
+"""Slots SGLang's admission needs on an idle server beyond a request's own (``PrefillAdder.add_one_req``:
+births + new tokens + one page must stay strictly below the pool)."""
+
 
 def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | None:
     """Give ``req`` its AKV state from the tokenized request; an error message (HTTP 400) when the
     program is malformed, the server cannot execute it, or its KV could never fit the pool (one
-    that does not fit now waits in SGLang's queue, its copy slots counted by :func:`extra_budget`)."""
+    that does not fit now waits in SGLang's queue, its copy slots counted by :func:`extra_budget`).
+    Like SGLang's ``init_req_max_new_tokens`` for a plain prompt, ``max_new_tokens`` is clipped so that
+    admission's count on an idle server (births, copy slots, new tokens and one page) fits the pool:
+    a request that never fits would wait forever, and every request queued behind it."""
     data = getattr(recv_req, "context_program", None)
     if data is None:
         return None
@@ -30,11 +37,16 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
         return f"context_program: {exc}"
     if program.token_ids.tolist() != list(req.origin_input_ids):
         return "context_program: its tokens differ from the request's input_ids"
+    wanted = req.sampling_params.max_new_tokens
     bound = program.n_tokens + sum(int(t.tokens.size) for t in program.transitions)  # births + copies, at most
-    needed = cold_plan(program).n_slots if bound > pool_size else bound
-    if needed > pool_size:
-        return (f"messages: the prompt needs {needed} KV slots with its re-rotated copies, more than the "
-                f"{pool_size} this server holds")
+    fits = wanted is not None and bound + wanted + ADMISSION_SLACK <= pool_size
+    needed = bound if fits else cold_plan(program).n_slots
+    room = pool_size - needed - ADMISSION_SLACK
+    if room < 0:
+        return (f"messages: the prompt needs {needed} KV slots with its re-rotated copies (and {ADMISSION_SLACK} "
+                f"for admission), more than the {pool_size} this server holds")
+    if wanted is None or wanted > room:
+        req.sampling_params.max_new_tokens = room
     req.akv = AkvRequest(program, req.extra_key or "")
     return None
 
@@ -86,15 +98,21 @@ def hold_rounds(adder: Any, req: Any, has_chunked_req: bool) -> None:
 
 
 def extra_budget(req: Any) -> int:
-    """Slots a context request needs beyond SGLang's own count (its copy slots; 0 for plain)."""
+    """What admission adds to SGLang's count of a waiting request's slots (its columns after the
+    matched prefix, new tokens and a page): for a context request its copy slots, less the columns it
+    borrows instead of computing (those are counted where its lock holds them); 0 for plain."""
     state: AkvRequest | None = req.akv
-    return 0 if state is None else state.extra_budget()
+    if state is None or state.draft is None:
+        return 0
+    columns = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+    return state.draft.plan.n_births + state.extra_budget() - columns
 
 
 def charge_copies(adder: Any, req: Any) -> None:
     """Once ``req`` is admitted into the batch, take its copy slots from the adder's remaining
     budgets (total and this batch's), so the next request's check sees them as used."""
-    extra = extra_budget(req)
+    state: AkvRequest | None = req.akv
+    extra = 0 if state is None else state.extra_budget()
     adder.rem_total_token_offset += extra
     adder.cur_rem_token_offset += extra
 
