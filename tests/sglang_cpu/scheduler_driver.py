@@ -146,6 +146,21 @@ class Audit:
             self.counts["frees"] += 1
 
 
+class _WholeWaves:
+    """SGLang's request receiver, whose ``recv_requests`` waits while the driver sends a wave."""
+
+    def __init__(self, receiver: Any, arriving: threading.Lock) -> None:
+        self._receiver = receiver
+        self._arriving = arriving
+
+    def recv_requests(self, *args: Any, **kwargs: Any) -> Any:
+        with self._arriving:
+            return self._receiver.recv_requests(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._receiver, name)
+
+
 class Driver:
     """One scheduler, its loop thread, the request socket and everything captured."""
 
@@ -173,6 +188,8 @@ class Driver:
         self.tokens: list[list[int]] = []
         self.prompt_len: dict[str, int] = {}
         self._record_logits()
+        self.arriving = threading.Lock()
+        self._receive_whole_waves()
         self.audit = Audit(self.scheduler) if audit else None
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -212,6 +229,18 @@ class Driver:
             return out
 
         runner.forward = recording
+
+    def _receive_whole_waves(self) -> None:
+        """The scheduler receives nothing while a wave is being sent (:meth:`submit_wave`)."""
+        self.scheduler.request_receiver = _WholeWaves(self.scheduler.request_receiver, self.arriving)
+
+    def submit_wave(self, requests: list[dict[str, Any]]) -> None:
+        """Send a wave's requests so that the scheduler receives them in one step (a wave is sent at
+        once: which requests share the first batch must not depend on the thread's timing)."""
+        with self.arriving:
+            for request in requests:
+                self.submit(request)
+            time.sleep(0.2)  # the socket delivers every message before the scheduler reads again
 
     def submit(self, request: dict[str, Any]) -> None:
         params = SamplingParams(max_new_tokens=request["max_new"], temperature=0.0, ignore_eos=True)
@@ -314,8 +343,7 @@ def main() -> None:
     report: dict[str, Any] = {"startup_s": round(time.time() - started, 1), "waves": []}
     for wave in job["waves"]:
         t = time.time()
-        for request in wave["requests"]:
-            driver.submit(request)
+        driver.submit_wave(wave["requests"])
         driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900),
                     wave.get("aborts_after_forwards"))
         report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool()})
