@@ -62,6 +62,23 @@ def test_parts_are_skipped_past_the_deadline_or_unasked_and_every_part_is_writte
     assert parts["gpt_oss_20b"] == {"ok": None, "skipped": "not in --parts"}
 
 
+def test_a_server_is_waited_for_until_the_deadline_unless_told_otherwise(tmp_path: Path) -> None:
+    """A slow CPU start (gpt-oss's warm-up compiles with inductor: over 420 s on a loaded CI machine)
+    is waited for as long as the run's deadline allows, not cut at a fixed time."""
+    waited: list[float] = []
+
+    class Server:
+        def wait(self, timeout: float) -> None:
+            waited.append(timeout)
+
+    for argv, expected in ((["--dry-run"], 2400.0), (["--dry-run", "--ready-timeout", "30"], 30.0),
+                           (["--deadline-s", "5"], 10.0)):
+        run = akv_models_check.Run(akv_models_check.parse_args(["--out", str(tmp_path), *argv]))
+        run.servers["s"], run.launched["s"], run.report["servers"]["s"] = Server(), run.started, {}
+        run.ready("s")
+        assert waited[-1] == pytest.approx(expected, abs=5.0), argv
+
+
 def test_with_plain_requests_scored_on_their_first_token_the_bound_is_a_first_token_one() -> None:
     """gpt-oss: plain requests are compared on one token, context ones on eight; the bound the plain
     ones set applies to the context requests' first tokens, and a context request is refused when
