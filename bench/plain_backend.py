@@ -12,8 +12,9 @@ slot per request, the ``req_to_token`` write and, for AKV, ``for_decode``'s ``ho
 goes first alternates too), each on a tree that holds its earlier bursts; the first burst of each
 repeat is untimed, and the prefixes both match are checked equal.
 
-    PYTHONPATH=<site with the patched sglang wheel> python bench/plain_backend.py [--bursts 4] [--repeats 5] \
-        [--out FILE]
+    python -m akv.system._build --out /tmp/akv-dist
+    python -m pip install --no-deps --target /tmp/akv-site /tmp/akv-dist/sglang-0.5.16+akv-*.whl
+    PYTHONPATH=/tmp/akv-site python bench/plain_backend.py [--bursts 4] [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
