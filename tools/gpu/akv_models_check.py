@@ -36,7 +36,7 @@ AKV_MODELS_BIG_GRAPHS=0::
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_models_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 
 CPU dry run (parts 1-2 with the CPU servers of tests/sglang_cpu, FP32; 13.5 minutes on the 2-core
-machine, the build included; gpt-oss's server is ready after 270 s there, over 420 s under CI's load)::
+machine, the build included; gpt-oss's server is ready after 266 s there, over 420 s under CI's load)::
 
     python tools/gpu/akv_models_check.py --dry-run [--work DIR] [--out DIR]
 """
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("/tmp/akv-models-check"),
                    help="models (and with --dry-run the CPU sites) are made here")
     p.add_argument("--deadline-s", type=float, default=float(os.environ.get("AKV_MODELS_DEADLINE_S", "470")))
-    p.add_argument("--ready-timeout", type=float, default=None,
+    p.add_argument("--ready-timeout", type=float, default=float("inf"),
                    help="seconds to wait for a server's /health (default: until the deadline; on the CPU gpt-oss's "
                         "warm-up request compiles its MoE routing with inductor, which takes minutes)")
     p.add_argument("--parts", default=os.environ.get("AKV_MODELS_PARTS", ",".join(ESTIMATE_S)),
@@ -156,8 +156,7 @@ class Run:
 
     def ready(self, name: str) -> big.Server:
         server = self.servers[name]
-        timeout = self.left() if self.args.ready_timeout is None else min(self.args.ready_timeout, self.left())
-        server.wait(max(10.0, timeout))
+        server.wait(max(10.0, min(self.args.ready_timeout, self.left())))
         if "startup_s" not in self.report["servers"][name]:
             self.report["servers"][name]["startup_s"] = round(time.time() - self.launched[name], 1)
             self.log(f"{name}: ready after {self.report['servers'][name]['startup_s']} s")
