@@ -1,12 +1,11 @@
 """Shared pytest setup: GPU tests skip, with a reason, where no CUDA device is present, and Triton
 kernels run in interpreter mode there (set before any kernel module is imported); the stock and
-the patched sglang wheels, each installed into its own folder (session fixtures)."""
+the patched sglang wheels, each installed once per machine into a folder named by its hash
+(session fixtures)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,27 +36,18 @@ def stock_wheel(tag: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def patched(tmp_path_factory: pytest.TempPathFactory, tag: str) -> _build.BuildResult:
-    return _build.build(tmp_path_factory.mktemp("dist"), tag)
-
-
-def _pip_target(wheel: Path, target: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target", str(target),
-         str(wheel)],
-        check=True,
-    )
-    return target
+def patched(tag: str) -> _build.BuildResult:
+    return _build.cached_build(tag)
 
 
 @pytest.fixture(scope="session")
-def stock_site(tmp_path_factory: pytest.TempPathFactory, stock_wheel: Path) -> Path:
-    return _pip_target(stock_wheel, tmp_path_factory.mktemp("stock-site"))
+def stock_site(stock_wheel: Path) -> Path:
+    return _build.installed_site(stock_wheel)
 
 
 @pytest.fixture(scope="session")
-def patched_site(tmp_path_factory: pytest.TempPathFactory, patched: _build.BuildResult) -> Path:
-    return _pip_target(patched.wheel, tmp_path_factory.mktemp("patched-site"))
+def patched_site(patched: _build.BuildResult) -> Path:
+    return _build.installed_site(patched.wheel)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import csv
+import fcntl
 import hashlib
 import io
 import json
@@ -264,6 +266,40 @@ def default_cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "akv"
     )
     return Path(base) / "wheels"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` shared by every process on this machine."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def cached_build(tag: str, cache_dir: Path | None = None) -> BuildResult:
+    """The patched wheel for ``tag`` in ``<cache>/builds/<inputs>``: built once per patch, whichever
+    process (test session, dry run, worker) asks first."""
+    cache = cache_dir or default_cache_dir()
+    inputs = build_inputs(tag, PATCH_FILE.read_text(encoding="utf-8"), None)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+    out = cache.parent / "builds" / key
+    with _locked(out.with_suffix(".lock")):
+        return build(out, tag, cache_dir=cache)
+
+
+def installed_site(wheel: Path, cache_dir: Path | None = None) -> Path:
+    """A folder with ``wheel`` installed into it (pip ``--target``, no dependencies), named by the
+    wheel's sha256 under ``<cache>/sites``: installed once, then shared read-only."""
+    site = (cache_dir or default_cache_dir()).parent / "sites" / sha256_file(wheel)[:20]
+    done = site / ".akv-installed"
+    with _locked(site.with_suffix(".lock")):
+        if not done.exists():
+            shutil.rmtree(site, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+                            "--target", str(site), str(wheel)], check=True)
+            done.write_text(wheel.name + "\n")
+    return site
 
 
 def sha256_file(path: Path) -> str:

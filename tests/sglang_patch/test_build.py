@@ -189,3 +189,32 @@ def test_cli_builds_and_exports_overlay(patched: _build.BuildResult, tag: str, t
     assert (tmp_path / "ov" / "sglang" / "_version.py").is_file()
     assert _build.main(["--out", str(out), "--python-tag", "cp312" if tag == "cp311" else "cp311", "--install"]) == 2
     assert "--install: the wheel is for" in capsys.readouterr().err
+
+
+def _tiny_wheel(folder: Path, body: str) -> Path:
+    wheel = folder / "akvprobe-1.0-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"akvprobe.py": body,
+             "akvprobe-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: akvprobe\nVersion: 1.0\n",
+             "akvprobe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+             "akvprobe-1.0.dist-info/RECORD": ""}
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), text)
+    return wheel
+
+
+def test_a_wheel_is_installed_once_per_machine_and_a_changed_wheel_gets_its_own_site(tmp_path: Path) -> None:
+    cache = tmp_path / "cache" / "wheels"
+    site = _build.installed_site(_tiny_wheel(tmp_path / "a", "X = 1\n"), cache)
+    assert (site / "akvprobe.py").read_text() == "X = 1\n"
+    (site / "akvprobe.py").unlink()  # a second install would bring it back
+    assert _build.installed_site(_tiny_wheel(tmp_path / "a", "X = 1\n"), cache) == site
+    assert not (site / "akvprobe.py").exists()
+    other = _build.installed_site(_tiny_wheel(tmp_path / "b", "X = 2\n"), cache)
+    assert other != site and (other / "akvprobe.py").read_text() == "X = 2\n"
+
+
+def test_the_cached_build_is_reused_by_every_session(patched: _build.BuildResult, tag: str) -> None:
+    again = _build.cached_build(tag)
+    assert again.skipped and again.wheel == patched.wheel

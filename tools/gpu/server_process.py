@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -50,33 +50,35 @@ def link_packages(target: Path, shared: Path) -> None:
             (target / entry.name).symlink_to(entry)
 
 
-def pip_target(wheel: Path, target: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--upgrade",
-                    "--target", str(target), str(wheel)], check=True)
-
-
-def cpu_stock_site(target: Path) -> Path:
-    """Stock SGLang in ``target``, installed from the pinned wheel for this interpreter (CPU dry runs)."""
-    from akv.system import _build
-
-    if not (target / "sglang").is_dir():
-        pip_target(_build.fetch_stock_wheel(_build.python_tag(), _build.default_cache_dir()), target)
+def link_site(target: Path, site: Path) -> Path:
+    """``target`` made a link to ``site`` (replacing an earlier link or install there)."""
+    if target.is_symlink() and target.resolve() == site.resolve():
+        return target
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.exists():
+        shutil.rmtree(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(site, target_is_directory=True)
     return target
 
 
-def cpu_patched_site(work: Path, target: Path | None = None) -> Path:
-    """The patched SGLang for this interpreter in ``target`` (default ``work/patched-site``), built in
-    ``work/dist`` and reinstalled when the patch changes (CPU dry runs)."""
+def cpu_stock_site(target: Path) -> Path:
+    """Stock SGLang for this interpreter at ``target``: a link to the pinned wheel installed once per
+    machine (CPU dry runs)."""
     from akv.system import _build
 
-    wheel = _build.build(work / "dist", _build.python_tag()).wheel
-    patched = target or work / "patched-site"
-    stamp = patched / ".akv-wheel-sha256"
-    digest = _build.sha256_file(wheel)
-    if not stamp.exists() or stamp.read_text() != digest:
-        pip_target(wheel, patched)
-        stamp.write_text(digest)
-    return patched
+    wheel = _build.fetch_stock_wheel(_build.python_tag(), _build.default_cache_dir())
+    return link_site(target, _build.installed_site(wheel))
+
+
+def cpu_patched_site(work: Path, target: Path | None = None) -> Path:
+    """The patched SGLang for this interpreter at ``target`` (default ``work/patched-site``): a link to
+    the wheel of the current patch, built and installed once per machine (CPU dry runs)."""
+    from akv.system import _build
+
+    wheel = _build.cached_build(_build.python_tag()).wheel
+    return link_site(target or work / "patched-site", _build.installed_site(wheel))
 
 
 @dataclass
