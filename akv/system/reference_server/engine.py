@@ -10,11 +10,12 @@ version whose whole token-and-event history matches. A request takes all its KV 
 (prompt and decode) and gives back everything it holds when it fails at any later step, so a failure
 leaves the pool and the tree as they were.
 
-Results are a function of the request and its cache plan alone: every forward runs on a pinned number
-of threads (some BLAS kernels split their sums by thread count), and keys are summed in token order
-whichever slots hold them. Reusing cached KV is not bitwise the same arithmetic as recomputing it
-(the matrix products have other shapes), so a warm request's log-probs may differ from a cold one's
-in the last bits (a few 1e-6 on the tiny test models).
+Bit-reproducible: every forward runs on a pinned number of threads (some BLAS kernels split their
+sums by thread count), keys are summed in token order whichever slots hold them, and the prompt's last
+token runs alone, so the same request gives bitwise the same log-probs cold, over its own cached
+prompt, and in another process. A request that reuses only part of another's prompt computes its
+new tokens in forwards of other sizes, and a matrix product's rounding depends on its row count, so
+it may differ from its own cold run in the last bits (a few 1e-6 in log-prob on the tiny test models).
 """
 
 from __future__ import annotations
