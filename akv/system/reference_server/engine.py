@@ -85,7 +85,8 @@ class Engine:
     """A model directory served by the reference model on ``device``, with a radix-tree KV cache of
     ``kv_slots``; prompts run in forwards of at most ``prefill_chunk`` queries where given (the same
     arithmetic per query, a smaller attention score matrix); every forward runs on ``threads`` torch
-    threads, whatever the process's setting. Safe to call from many threads: requests take turns."""
+    threads, whatever the process was set to (one by default: the same bits on any machine with the same
+    kernels, and no oversubscription on a busy one). Safe to call from many threads: requests take turns."""
 
     def __init__(self, model_path: str | Path, *, name: str | None = None, kv_slots: int = DEFAULT_KV_SLOTS,
                  device: str | torch.device = "cpu", prefill_chunk: int | None = None,
@@ -109,14 +110,13 @@ class Engine:
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """Hold the engine alone (turns are granted in arrival order), on its pinned thread count."""
+        """Hold the engine alone (turns are granted in arrival order), on its pinned thread count. The
+        count is torch's process-wide setting and stays set (changing it rebuilds a thread pool, which
+        costs milliseconds); it is checked per turn because OpenMP and MKL keep it per calling thread."""
         with self._turns.held():
-            previous = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(previous)
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            yield
 
     def serve(self, request: ChatRequest, on_token: OnToken | None) -> Generation:
         """:meth:`prepare` then :meth:`generate`, taking turns with other requests."""
