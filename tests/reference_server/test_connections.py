@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from akv.system.reference_server import Engine, ReferenceServer
+from akv.system.reference_server import Engine, ReferenceServer, parse_chat_request
 
 MODEL = "tiny-test"
 IO_TIMEOUT = 1.0
@@ -167,6 +167,27 @@ def test_a_long_request_does_not_hold_up_a_short_one(live: Live, no_eos: Engine,
         reader.join()
         reset(long)
     assert b"".join(received).startswith(b"HTTP/1.0 200")
+    wait_until(lambda: no_eos.cache.active == 0)
+    assert nothing_held_outside_the_tree(no_eos)
+
+
+def test_a_request_that_does_not_fit_beside_a_running_one_waits_for_it(live: Live, no_eos: Engine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled stream holds every slot of the pool: the next request waits for it (no 503), and is
+    served once the stalled one is gone."""
+    monkeypatch.setattr(live.server, "io_timeout", WAIT)
+    no_eos.cache.flush()
+    content = "A stream that holds every slot."
+    body = json.loads(payload(max_tokens=1, messages=[{"role": "user", "content": content}]))
+    prompt_slots = no_eos.prepare(parse_chat_request(body, MODEL, no_eos.content_format)).kv_slots
+    stalled = open_stream(live, no_eos.pool.size - prompt_slots + 1, content)
+    statuses: list[int] = []
+    waiting = threading.Thread(target=lambda: statuses.append(complete(live)))
+    waiting.start()
+    wait_until(lambda: no_eos.waiting == 1)
+    reset(stalled)
+    waiting.join()
+    assert statuses == [200]
     wait_until(lambda: no_eos.cache.active == 0)
     assert nothing_held_outside_the_tree(no_eos)
 

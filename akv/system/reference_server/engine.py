@@ -5,6 +5,7 @@ Requests take turns: every step (render and compile, admission, the prompt's for
 token, publishing) holds the engine alone, granted in arrival order, so concurrent requests interleave
 token by token and a short request never waits for a long one to finish. Between its turns a request
 hands each token to its caller, who may take as long as it likes there without holding up the others.
+A request whose KV does not fit beside the running ones waits until they give enough slots back.
 KV lives in FP32 slot pools shared with the cache core's radix tree, so later requests reuse every
 version whose whole token-and-event history matches. A request takes all its KV slots at admission
 (prompt and decode) and gives back everything it holds when it fails at any later step, so a failure
@@ -57,7 +58,8 @@ OnToken = Callable[[TokenStep, str], None]
 
 
 class EngineBusy(RuntimeError):
-    """The KV pool cannot hold the request while other requests hold slots; it may fit later."""
+    """The KV pool cannot hold the request while requests this engine does not run hold slots (they
+    were admitted through its cache core directly); it may fit later."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,15 @@ class Engine:
         self.pool = SlotPool(kv_slots)
         self.cache = CacheCore(self.pool)
         self._turns = _Turns()
+        self._released = threading.Condition()  # a running request gave its slots back
+        self._running = 0  # requests admitted by generate() that still hold slots
+        self._releases = 0
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for KV slots that running requests hold."""
+        return self._waiting
 
     @contextmanager
     def turn(self) -> Iterator[None]:
@@ -165,8 +176,7 @@ class Engine:
         reading slowly) holds up only this request, and one that raises aborts it with everything
         released."""
         program = prepared.program
-        with self.turn():
-            active, reserved = self._admit(program, prepared.max_new_tokens - 1)
+        active, reserved = self._admit_when_free(program, prepared.max_new_tokens - 1)
         plan = active.plan
         ids: list[int] = []
         steps: list[TokenStep] = []
@@ -202,11 +212,15 @@ class Engine:
                 self.cache.finish(active, np.asarray(ids[:used], dtype=np.int64), reserved[:used])
         except BaseException:
             with self.turn():
-                self.pool.decref(reserved)
-                self.cache.abort(active)
+                try:
+                    self.pool.decref(reserved)
+                    self.cache.abort(active)
+                finally:
+                    self._release_one()
             raise
         with self.turn():
             self.pool.decref(reserved[used:])
+            self._release_one()
             text = tracker.final(ids)
         usage = plan.usage
         return Generation(
@@ -216,6 +230,33 @@ class Engine:
             finish_reason=finish,
             usage=PromptUsage(program.n_prompt, usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens),
         )
+
+    def _admit_when_free(self, program: ContextProgram, n_decode: int) -> tuple[ActiveRequest, np.ndarray]:
+        """:meth:`_admit` in a turn; while the slots it needs are held by requests this engine runs (they
+        will finish), wait for one of them to give its slots back instead of refusing."""
+        while True:
+            with self.turn():
+                try:
+                    admitted = self._admit(program, n_decode)
+                except EngineBusy:
+                    if not self._running:
+                        raise
+                    seen = self._releases
+                else:
+                    self._running += 1
+                    return admitted
+            with self._released:
+                self._waiting += 1
+                try:
+                    self._released.wait_for(lambda: self._releases != seen)
+                finally:
+                    self._waiting -= 1
+
+    def _release_one(self) -> None:
+        with self._released:
+            self._running -= 1
+            self._releases += 1
+            self._released.notify_all()
 
     def _admit(self, program: ContextProgram, n_decode: int) -> tuple[ActiveRequest, np.ndarray]:
         """Admit ``program`` and reserve ``n_decode`` slots for its generated KV. When the pool is short
