@@ -139,7 +139,7 @@ class _StreamWriter:
             try:
                 self._wfile.write(data)
                 self._wfile.flush()
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: the file was closed under the writer
                 with self._changed:
                     self._failed = True
                     self._chunks.clear()
