@@ -1,6 +1,7 @@
 """Misbehaving connections cost only themselves: a client that stops reading a stream does not block
-other clients and is dropped after the I/O timeout with its request released; bursts of simultaneous
-connections are all served; half-open or vanished connections end with one log line, no traceback."""
+other clients (nor does a long request: requests take turns token by token) and is dropped after the
+I/O timeout with its request released; bursts of simultaneous connections are all served; half-open
+or vanished connections end with one log line, no traceback."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from akv.system.reference_server import Engine, ReferenceServer
+from akv.system.reference_server import Engine, ReferenceServer, parse_chat_request
 
 MODEL = "tiny-test"
 IO_TIMEOUT = 1.0
+STREAM_BUFFER = 16 << 10  # a few tokens with 20 alternatives each
 WAIT = 60.0  # an upper bound for things that must happen, never a performance claim
 
 
@@ -47,7 +49,7 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tiny_model_dir: Path) -> Iterator[Live]:
     engine = Engine(tiny_model_dir, name=MODEL, kv_slots=8192)
-    server = SmallBuffers(engine, io_timeout=IO_TIMEOUT)
+    server = SmallBuffers(engine, io_timeout=IO_TIMEOUT, stream_buffer=STREAM_BUFFER)
     with server.running():
         yield Live(server, engine)
 
@@ -105,23 +107,103 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-def test_a_client_that_stops_reading_does_not_block_others(live: Live, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def open_stream(live: Live, max_tokens: int, content: str) -> socket.socket:
+    """A streamed request with 20 alternatives per token (a few kB each) on a small receive buffer,
+    once the engine holds it; nothing is read from it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", live.port))
+    active = live.engine.cache.active
+    sock.sendall(post_bytes(payload(stream=True, max_tokens=max_tokens, logprobs=True, top_logprobs=20,
+                                    messages=[{"role": "user", "content": content}])))
+    wait_until(lambda: live.engine.cache.active > active)
+    return sock
+
+
+@pytest.fixture()
+def no_eos(live: Live, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    """Generation always runs to max_tokens."""
     engine = live.engine
     monkeypatch.setattr(engine, "files", dataclasses.replace(engine.files, eos_token_ids=frozenset()))
-    stalled = socket.socket()
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stalled.connect(("127.0.0.1", live.port))
-    # Far more than the socket buffers hold: a few kB per token with 20 alternatives each.
-    stalled.sendall(post_bytes(payload(stream=True, max_tokens=200, logprobs=True, top_logprobs=20)))
-    wait_until(lambda: engine.cache.active == 1 or writing())  # the stalled request got to the engine first
-    assert complete(live) == 200  # served while the stalled stream is still pending
-    wait_until(lambda: not writing())
+    return engine
+
+
+def test_a_stalled_reader_holds_up_only_itself(live: Live, no_eos: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Far more tokens than the stream's buffer and the socket buffers hold: the stalled request waits
+    for its reader while another client's request is served; it still holds its KV when that reply
+    arrives, and gives everything back when its client goes."""
+    monkeypatch.setattr(live.server, "io_timeout", WAIT)  # only the client's reset may release it
+    stalled = open_stream(live, 4000, "A stream nobody reads.")
+    assert complete(live) == 200
+    assert no_eos.cache.active == 1  # served before the stalled request was released
+    tree = no_eos.cache.tree.stats()
+    reset(stalled)
+    wait_until(lambda: no_eos.cache.active == 0)
+    assert no_eos.cache.tree.stats() == tree  # the aborted request published nothing
+    assert nothing_held_outside_the_tree(no_eos)
+    assert complete(live) == 200
+
+
+def test_a_long_request_does_not_hold_up_a_short_one(live: Live, no_eos: Engine,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long stream whose client reads everything: a short request is served while it runs."""
+    monkeypatch.setattr(live.server, "io_timeout", WAIT)
+    long = open_stream(live, 6000, "A long stream, read as it comes.")
+    stop = threading.Event()
+    received: list[bytes] = []
+
+    def read() -> None:
+        long.settimeout(WAIT)
+        while not stop.is_set() and (chunk := long.recv(65536)):
+            received.append(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert complete(live) == 200
+        assert no_eos.cache.active == 1  # the long request is still generating
+    finally:
+        stop.set()
+        reader.join()
+        reset(long)
+    assert b"".join(received).startswith(b"HTTP/1.0 200")
+    wait_until(lambda: no_eos.cache.active == 0)
+    assert nothing_held_outside_the_tree(no_eos)
+
+
+def test_a_request_that_does_not_fit_beside_a_running_one_waits_for_it(live: Live, no_eos: Engine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stalled stream holds every slot of the pool: the next request waits for it (no 503), and is
+    served once the stalled one is gone."""
+    monkeypatch.setattr(live.server, "io_timeout", WAIT)
+    no_eos.cache.flush()
+    content = "A stream that holds every slot."
+    body = json.loads(payload(max_tokens=1, messages=[{"role": "user", "content": content}]))
+    prompt_slots = no_eos.prepare(parse_chat_request(body, MODEL, no_eos.content_format)).kv_slots
+    stalled = open_stream(live, no_eos.pool.size - prompt_slots + 1, content)
+    statuses: list[int] = []
+    waiting = threading.Thread(target=lambda: statuses.append(complete(live)))
+    waiting.start()
+    wait_until(lambda: no_eos.waiting == 1)
+    reset(stalled)
+    waiting.join()
+    assert statuses == [200]
+    wait_until(lambda: no_eos.cache.active == 0)
+    assert nothing_held_outside_the_tree(no_eos)
+
+
+def test_a_stalled_reader_is_dropped_at_its_deadline(live: Live, no_eos: Engine,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    tree = no_eos.cache.tree.stats()
+    stalled = open_stream(live, 4000, "A stream nobody reads until it is dropped.")
+    wait_until(lambda: no_eos.cache.active == 0 and not writing())  # no help from the client
     received = read_all(stalled)
     stalled.close()
     assert received.startswith(b"HTTP/1.0 200") and b"data: [DONE]" not in received  # dropped mid-stream
     assert capsys.readouterr().err.count("stream dropped: TimeoutError") == 1
-    assert nothing_held_outside_the_tree(engine)
+    assert no_eos.cache.tree.stats() == tree
+    assert nothing_held_outside_the_tree(no_eos)
     assert complete(live) == 200
 
 

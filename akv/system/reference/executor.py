@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from akv.system.cache.plan import CopyJob, RequestPlan
+from akv.system.cache.plan import CopyJob, RequestPlan, Segment
 from akv.system.context.program import ContextProgram
 from akv.system.reference.model import ReferenceModel
 from akv.system.reference.paged import forward_paged
@@ -51,9 +51,14 @@ def run_copies(model: ReferenceModel, kv: PagedKV, job: CopyJob) -> None:
 def run_prefill(model: ReferenceModel, program: ContextProgram, plan: RequestPlan, kv: PagedKV,
                 max_chunk: int | None = None) -> dict[int, torch.Tensor]:
     """Execute the plan's segments (split into forwards of at most ``max_chunk`` queries, if given)
-    and terminal copies; return the logits of every computed query."""
+    and terminal copies; return the logits of every computed query.
+
+    The program's last token, whose logits start generation, always runs in a forward of its own: a
+    matrix product's rounding depends on how many rows it has, and this way a request repeated over
+    its own cached prompt (which recomputes only that token) gets bitwise the same logits as cold."""
     logits: dict[int, torch.Tensor] = {}
-    forwards = [c for s in plan.segments for c in (s.chunks(max_chunk) if max_chunk else (s,))]
+    parts = [p for s in plan.segments for p in _last_token_alone(s, program.n_tokens)]
+    forwards = [c for p in parts for c in (p.chunks(max_chunk) if max_chunk else (p,))]
     for segment in forwards:
         run_copies(model, kv, segment.copies)
         indptr, indices = segment.visible_slots()
@@ -71,6 +76,12 @@ def run_prefill(model: ReferenceModel, program: ContextProgram, plan: RequestPla
         logits.update({segment.start + i: out[i] for i in range(segment.n_queries)})
     run_copies(model, kv, plan.terminal.copies)
     return logits
+
+
+def _last_token_alone(segment: Segment, n_tokens: int) -> tuple[Segment, ...]:
+    if segment.end == n_tokens and segment.n_queries > 1:
+        return segment.chunks(segment.n_queries - 1)
+    return (segment,)
 
 
 def run_decode(model: ReferenceModel, plan: RequestPlan, kv: PagedKV, token_ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:

@@ -33,7 +33,10 @@ def forward_paged(
     slot's K is rotated at; models with sliding-window layers need it to know how far back a key is.
 
     The pools live on the model's device; the index arguments may live anywhere (they are checked on
-    the CPU and moved to the model's device for the forward); the logits come back on the model's device."""
+    the CPU and moved to the model's device for the forward); the logits come back on the model's device.
+
+    Keys enter attention in the order they are first listed, never in slot order, so the result does not
+    depend on which slots the pool handed out."""
     c = model.config
     ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu()
     n = int(ids.numel())
@@ -56,7 +59,7 @@ def forward_paged(
             raise ValueError(f"slot_positions must be a CPU tensor (index bookkeeping), got {slot_positions.device}")
         slot_positions[out_slots] = positions
 
-    slots, columns = torch.unique(kv_indices, return_inverse=True)
+    slots, columns = _in_listed_order(kv_indices)
     key_positions = slot_positions[slots] if slot_positions is not None else torch.full_like(slots, -1)
     visible = torch.zeros(n, slots.numel(), dtype=torch.bool)
     visible[rows, columns] = True
@@ -75,6 +78,17 @@ def forward_paged(
                                            positions, key_positions)
             hidden = model.finish_layer(layer, hidden, attention)
         return model.logits(hidden).to(torch.float32)
+
+
+def _in_listed_order(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct slots of ``indices`` in the order each is first listed, and every entry's column among them."""
+    ascending, inverse = torch.unique(indices, return_inverse=True)
+    first = torch.full_like(ascending, indices.numel()).scatter_reduce(
+        0, inverse, torch.arange(indices.numel()), reduce="amin")
+    order = torch.argsort(first)
+    column = torch.empty_like(order)
+    column[order] = torch.arange(order.numel())
+    return ascending[order], column[inverse]
 
 
 def _check_pools(model: ReferenceModel, k_pool: Sequence[torch.Tensor], v_pool: Sequence[torch.Tensor]) -> int:

@@ -1,19 +1,20 @@
 """The HTTP layer: a threaded stdlib server speaking the OpenAI chat-completions protocol.
 
-Requests are parsed and answered concurrently, but the engine runs one request at a time (a lock).
-A bad request gets HTTP 400 naming the field before the engine is touched, so it cannot disturb the
-cache or other requests. No socket is written while the lock is held: a streamed reply goes through a
-writer thread, and every read and write has a timeout, so a slow, stalled or vanished client costs
-only its own request.
+Requests are parsed and answered concurrently, and the engine interleaves them token by token. A bad
+request gets HTTP 400 naming the field before the engine is touched, so it cannot disturb the cache or
+other requests. The engine never waits on a socket: a streamed reply goes through its own writer
+thread and buffer, and only its own request waits while that buffer is full. Every read and write has
+a deadline (the I/O timeout); a client past it is dropped and its request aborted with everything
+released, so a slow, stalled or vanished client costs only its own request.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import socket
 import sys
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http import HTTPStatus
@@ -34,6 +35,7 @@ from akv.system.reference_server.tool_calls import ContentStreamer, split_tool_c
 
 MAX_BODY_BYTES = 64 << 20
 DEFAULT_IO_TIMEOUT = 60.0
+DEFAULT_STREAM_BUFFER = 1 << 20
 
 
 class ClientGone(Exception):
@@ -42,17 +44,18 @@ class ClientGone(Exception):
 
 class ReferenceServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` bound to one :class:`Engine`; ``url`` is its base URL. Each socket read or
-    write that waits longer than ``io_timeout`` seconds drops that client."""
+    write that waits longer than ``io_timeout`` seconds drops that client. A stream keeps up to
+    ``stream_buffer`` bytes the client has not read yet; beyond that its generation waits for the client."""
 
     daemon_threads = True
     request_queue_size = max(128, socket.SOMAXCONN)
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, *, verbose: bool = False,
-                 io_timeout: float = DEFAULT_IO_TIMEOUT) -> None:
+                 io_timeout: float = DEFAULT_IO_TIMEOUT, stream_buffer: int = DEFAULT_STREAM_BUFFER) -> None:
         self.engine = engine
         self.verbose = verbose
         self.io_timeout = io_timeout
-        self.engine_lock = threading.Lock()
+        self.stream_buffer = stream_buffer
         super().__init__((host, port), _Handler)
 
     @property
@@ -86,15 +89,20 @@ class ReferenceServer(ThreadingHTTPServer):
 
 
 class _StreamWriter:
-    """Writes a reply's chunks to the client from its own thread, so the engine never waits on a socket.
+    """A reply stream's own writer thread and buffer. ``put`` returns at once while fewer than ``limit``
+    bytes wait to be written, else it waits for the client to read (only this request waits: the
+    engine is not held meanwhile). It raises :class:`ClientGone` once a write has failed or missed its
+    deadline, which aborts the generation feeding it."""
 
-    ``put`` raises :class:`ClientGone` once a write has failed, which stops the generation feeding it."""
-
-    def __init__(self, handler: BaseHTTPRequestHandler) -> None:
+    def __init__(self, handler: BaseHTTPRequestHandler, limit: int) -> None:
         self._handler = handler
         self._wfile = handler.wfile
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._failed = threading.Event()
+        self._limit = limit
+        self._changed = threading.Condition()
+        self._chunks: deque[bytes] = deque()
+        self._pending = 0  # bytes queued or being written
+        self._closing = False
+        self._failed = False
         self._thread: threading.Thread | None = None
 
     @property
@@ -102,29 +110,45 @@ class _StreamWriter:
         return self._thread is not None
 
     def put(self, data: bytes) -> None:
-        if self._failed.is_set():
-            raise ClientGone("the client stopped reading the stream")
+        with self._changed:
+            self._changed.wait_for(lambda: self._failed or self._pending < self._limit)
+            if self._failed:
+                raise ClientGone("the client stopped reading the stream")
+            self._chunks.append(data)
+            self._pending += len(data)
+            self._changed.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="akv-stream-writer", daemon=True)
             self._thread.start()
-        self._queue.put(data)
 
     def close(self) -> None:
         """Wait until everything queued is written or the client is dropped."""
         if self._thread is not None:
-            self._queue.put(None)
+            with self._changed:
+                self._closing = True
+                self._changed.notify_all()
             self._thread.join()
 
     def _run(self) -> None:
-        while (data := self._queue.get()) is not None:
-            if self._failed.is_set():
-                continue
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._chunks or self._closing)
+                if not self._chunks:
+                    return
+                data = self._chunks.popleft()
             try:
                 self._wfile.write(data)
                 self._wfile.flush()
-            except OSError as exc:
-                self._failed.set()
+            except (OSError, ValueError) as exc:  # ValueError: the file was closed under the writer
+                with self._changed:
+                    self._failed = True
+                    self._chunks.clear()
+                    self._changed.notify_all()
                 self._handler.log_error("stream dropped: %r", exc)
+                return
+            with self._changed:
+                self._pending -= len(data)
+                self._changed.notify_all()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -200,11 +224,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError("body", raw[:100].decode("utf-8", "replace"), "JSON nested too deeply") from exc
 
     def _complete(self, request: ChatRequest) -> None:
-        engine = self.server.engine
         try:
-            with self.server.engine_lock:
-                generation = engine.generate(engine.prepare(request), request, on_token=None)
-            body = _completion(request, generation)
+            body = _completion(request, self.server.engine.serve(request, on_token=None))
         except (RequestError, EngineBusy):
             raise
         except Exception as exc:  # the engine or the reply failed: report it, keep serving
@@ -217,7 +238,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         ids = ResponseIds(request.model)
         streamer = ContentStreamer(request.parse_tool_calls)
-        writer = _StreamWriter(self)
+        writer = _StreamWriter(self, self.server.stream_buffer)
 
         def on_token(step: TokenStep, text: str) -> None:
             head = b""
@@ -229,11 +250,9 @@ class _Handler(BaseHTTPRequestHandler):
             if head or chunk:
                 writer.put(head + chunk)
 
-        engine = self.server.engine
         try:
             try:
-                with self.server.engine_lock:
-                    generation = engine.generate(engine.prepare(request), request, on_token=on_token)
+                generation = self.server.engine.serve(request, on_token=on_token)
                 tail = _stream_tail(request, ids, streamer, generation)
             except (RequestError, EngineBusy, ClientGone):
                 raise
