@@ -226,32 +226,36 @@ class _VersionTable:
     ) -> tuple[np.ndarray, CopyJob]:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
         version exists (``pinned`` copies live to the end)."""
-        valid = self.slots[tokens] != _EMPTY
-        exact = valid & (self.positions[tokens] == positions[:, None])
-        found = exact.any(axis=1)
+        slots, held = self.slots[tokens], self.positions[tokens]
+        valid = slots != _EMPTY
+        exact = valid & (held == positions[:, None])
         col = exact.argmax(axis=1)
-        out = np.where(found, self.slots[tokens, col], _EMPTY)
-        rows = np.flatnonzero(found)
-        self.used[tokens[rows], col[rows]] = True
-        self.rerotated[tokens[rows]] |= col[rows] == self.copy_col
+        rows = np.arange(tokens.size)
+        found = exact[rows, col]
+        out = np.where(found, slots[rows, col], _EMPTY)
+        hit = np.flatnonzero(found)
+        self.used[tokens[hit], col[hit]] = True
+        self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
         self.read[tokens] = True
-        self._touch(out[found], _FOREVER if pinned else step)
-        need = tokens[~found]
-        has_source = valid[~found].any(axis=1)
+        self._touch(out[hit], _FOREVER if pinned else step)
+        miss = np.flatnonzero(~found)
+        need = tokens[miss]
+        sources = valid[miss]
+        has_source = sources.any(axis=1)
         if not has_source.all():
             raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
-        at_birth = valid[~found] & (self.positions[need] == self.birth[need][:, None])
-        src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), valid[~found].argmax(axis=1))
-        src = self.slots[need, src_col]
-        old = self.positions[need, src_col]
+        at_birth = sources & (held[miss] == self.birth[need][:, None])
+        src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), sources.argmax(axis=1))
+        src = slots[miss, src_col]
+        old = held[miss, src_col]
         self.used[need, src_col] = True
         self._touch(src, step)
         dst = self.fresh(need.size, step, pinned=pinned)
-        new = positions[~found]
+        new = positions[miss]
         self.slots[need, self.copy_col] = dst
         self.positions[need, self.copy_col] = new
         self.rerotated[need] = True
-        out[~found] = dst
+        out[miss] = dst
         job = CopyJob(*(frozen(a, np.int64) for a in (need, src, dst, old, new)))
         return frozen(out, np.int64), job
 
