@@ -97,7 +97,9 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
     segments = []
     for step, span in enumerate(segment_spans(program, computed)):
         visible = np.flatnonzero(program.visible_until[: span.start] > span.start)
-        at_stage = stages.at(span.stage)[visible]
+        at_stage = _last_stage_positions(program, span.stage, visible)
+        if at_stage is None:
+            at_stage = stages.at(span.stage)[visible]
         prefix_slots, copies = table.resolve(visible, at_stage, step)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
         births = frozen(-2 - tokens, np.int64)
@@ -127,6 +129,15 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         return np.where(copies, recolor[np.where(copies, -a - offset, colors.size)], a)
 
     return DraftPlan(program.n_tokens, n_colors, map_slots(plan, colored))
+
+
+def _last_stage_positions(program: ContextProgram, stage: int, tokens: np.ndarray) -> np.ndarray | None:
+    """Positions of ``tokens`` at ``stage`` without replaying the stages: their final positions when
+    ``stage`` is the last one and no Drop hides any of them (None otherwise)."""
+    if stage != program.n_stages - 1:
+        return None
+    final = program.final_position[tokens]
+    return final if final.min(initial=0) >= 0 else None
 
 
 def cold_plan(program: ContextProgram) -> DraftPlan:
