@@ -237,15 +237,16 @@ class _VersionTable:
     ) -> tuple[np.ndarray, CopyJob]:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
         version exists (``pinned`` copies live to the end)."""
-        slots, held = self.slots[tokens], self.positions[tokens]
+        slots, held = np.take(self.slots, tokens, axis=0), np.take(self.positions, tokens, axis=0)
         valid = slots != _EMPTY
         exact = valid & (held == positions[:, None])
         col = exact.argmax(axis=1)
-        rows = np.arange(tokens.size)
-        found = exact[rows, col]
-        out = np.where(found, slots[rows, col], _EMPTY)
+        width = slots.shape[1]
+        cell = np.arange(tokens.size) * width + col
+        found = np.take(exact.reshape(-1), cell)
+        out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
         hit = np.flatnonzero(found)
-        self.used[tokens[hit], col[hit]] = True
+        self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
         self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
         self.read[tokens] = True
         self._touch(out[hit], _FOREVER if pinned else step)
