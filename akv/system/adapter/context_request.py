@@ -17,6 +17,7 @@ from akv.system.adapter.window_lists import segment_round_end
 from akv.system.cache.core import ActiveRequest, CacheCore, Draft
 from akv.system.cache.occurrence import resolve_births
 from akv.system.cache.plan import CopyJob, Segment, Usage
+from akv.system.cache.pool import SlotPool
 from akv.system.context.compiler import append_generated
 from akv.system.context.program import ContextProgram
 
@@ -24,9 +25,9 @@ VISIBLE_ALWAYS = np.iinfo(np.int32).max
 """``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
 
 
-def _holds(draft: Draft) -> int:
+def _holds(draft: Draft, pool: SlotPool) -> int:
     """Slots a request planned by ``draft`` holds at its peak: births, copy slots and borrowed versions."""
-    return draft.plan.n_births + draft.n_copy_slots + int(np.unique(draft.plan.plan.borrowed).size)
+    return draft.plan.n_births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
 
 
 class AkvRequest:
@@ -63,7 +64,7 @@ class AkvRequest:
             started = time.perf_counter()
             self.draft = core.match(self.program, self.namespace, cold=cold)
             self._cold = cold
-            if not cold and room is not None and _holds(self.draft) > room:
+            if not cold and room is not None and _holds(self.draft, core.pool) > room:
                 self.draft = core.match(self.program, self.namespace, cold=True)
             self.admission_s += time.perf_counter() - started
         return self.draft

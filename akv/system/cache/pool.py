@@ -179,15 +179,18 @@ class SlotPool:
                 self._on_free(freed)
         return int(freed.size)
 
+    def n_distinct(self, slots: np.ndarray) -> int:
+        """How many distinct slots ``slots`` (in range) lists, without sorting."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        order = np.arange(slots.size, dtype=np.int64)
+        self._mark[slots] = order  # with repeats, one listing of each slot is left marked
+        return int(np.count_nonzero(self._mark[slots] == order))
+
     def _listed(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
         """The distinct slots and how often each is listed, as :func:`_unique_counts` (but in the
-        given order when none repeats): without sorting when every slot is listed once, the usual
-        case of a request's borrowed versions. ``slots`` must be in range."""
-        if slots.size < 2 or (slots[1:] > slots[:-1]).all():
-            return slots, 1
-        order = np.arange(slots.size, dtype=np.int64)
-        self._mark[slots] = order
-        if (self._mark[slots] == order).all():
+        given order when none repeats, the usual case of a request's borrowed versions, found
+        without sorting). ``slots`` must be in range."""
+        if self.n_distinct(slots) == slots.size:
             return slots, 1
         return _unique_counts(slots)
 
