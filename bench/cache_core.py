@@ -8,6 +8,9 @@ admission time for one long (32k-token) agent context, cold and warm, and the en
 the tree changes) and ``commit`` (at lock time).
 
     python bench/cache_core.py --out bench/results/cache_core.json
+
+``--long-only`` measures the long context alone (on a tree holding only it); ``--clock cpu`` times with
+the process's CPU time instead of wall time (steadier on a shared machine).
 """
 
 from __future__ import annotations
@@ -69,10 +72,13 @@ def make_conversation(rng: np.random.Generator, system: np.ndarray, n_messages: 
     return Conversation(messages, drops, repositions)
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
+    start = CLOCK()
     out = fn(*args)
-    return out, time.perf_counter() - start
+    return out, CLOCK() - start
 
 
 def percentiles(seconds: list[float]) -> dict[str, float]:
@@ -81,33 +87,16 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
             "mean_ms": round(float(ms.mean()), 3)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=1000)
-    parser.add_argument("--messages", type=int, default=12)
-    parser.add_argument("--mean-len", type=int, default=100)
-    parser.add_argument("--system-len", type=int, default=200)
-    parser.add_argument("--long-tokens", type=int, default=32_768)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-
-    load = os.getloadavg()[0]
-    rng = np.random.default_rng(args.seed)
-    system = rng.integers(0, VOCAB, size=args.system_len)
-    convs = [make_conversation(rng, system, args.messages, args.mean_len) for _ in range(args.conversations)]
-    total = sum(c.program(args.messages - 2).n_tokens for c in convs)
-    pool = SlotPool(int(total * 2.5) + 100_000)
-    core = CacheCore(pool)
-
+def full_tree(core: CacheCore, convs: list[Conversation], args: argparse.Namespace) -> dict[str, Any]:
+    """Build the tree turn by turn, then time match, insert and next-turn planning on it."""
     build_tokens, build_seconds = 0, 0.0
     for conv in convs:
         for turn in range(args.messages - 1):
             program = conv.program(turn)
-            start = time.perf_counter()
+            start = CLOCK()
             request = core.admit(program)
             core.finish(request)
-            build_seconds += time.perf_counter() - start
+            build_seconds += CLOCK() - start
             build_tokens += program.n_tokens
     tree_stats = core.tree.stats()
 
@@ -139,27 +128,7 @@ def main() -> None:
         computed_tokens.append(int(request.plan.computed.sum()))
         core.abort(request)
 
-    long_conv = make_conversation(rng, system, max(4, args.long_tokens // args.mean_len), args.mean_len)
-    long_first = long_conv.program(len(long_conv.messages) - 2)
-    long_next = long_conv.program(len(long_conv.messages) - 1)
-    cold, cold_seconds = timed(core.admit, long_first)
-    core.finish(cold)
-    warm_times, match_times, commit_times = [], [], []
-    for _ in range(5):
-        request, seconds = timed(core.admit, long_next)
-        warm_times.append(seconds)
-        core.abort(request)
-        draft, seconds = timed(core.match, long_next)
-        match_times.append(seconds)
-        request, seconds = timed(core.commit, draft)
-        commit_times.append(seconds)
-        core.abort(request)
-
-    result = {
-        "command": "python bench/cache_core.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "load_average_1m_at_start": round(load, 2)},
+    return {
         "tree": {"conversations": len(convs), **tree_stats},
         "build_turn_by_turn": {"requests": len(convs) * (args.messages - 1), "prompt_tokens": build_tokens,
                                "seconds": round(build_seconds, 3),
@@ -171,9 +140,65 @@ def main() -> None:
         "plan_next_turn": {"mean_prompt_tokens": round(float(np.mean(prompt_tokens)), 1),
                            "mean_computed_tokens": round(float(np.mean(computed_tokens)), 1),
                            "plan_occurrences": percentiles(plan_times), "admit": percentiles(admit_times)},
-        "long_context": {"prompt_tokens": long_next.n_tokens, "events": len(long_next.events),
-                         "cold_admit_ms": round(cold_seconds * 1e3, 2), "warm_admit": percentiles(warm_times),
-                         "warm_match_plan": percentiles(match_times), "warm_commit": percentiles(commit_times)},
+    }
+
+
+def long_context(core: CacheCore, rng: np.random.Generator, system: np.ndarray,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """Admission of one long agent context: its first turn cold, then its next turn warm."""
+    long_conv = make_conversation(rng, system, max(4, args.long_tokens // args.mean_len), args.mean_len)
+    long_first = long_conv.program(len(long_conv.messages) - 2)
+    long_next = long_conv.program(len(long_conv.messages) - 1)
+    cold, cold_seconds = timed(core.admit, long_first)
+    core.finish(cold)
+    warm_times, match_times, commit_times = [], [], []
+    for _ in range(args.repeats):
+        request, seconds = timed(core.admit, long_next)
+        warm_times.append(seconds)
+        core.abort(request)
+        draft, seconds = timed(core.match, long_next)
+        match_times.append(seconds)
+        request, seconds = timed(core.commit, draft)
+        commit_times.append(seconds)
+        core.abort(request)
+
+    return {"prompt_tokens": long_next.n_tokens, "events": len(long_next.events),
+            "cold_admit_ms": round(cold_seconds * 1e3, 2), "warm_admit": percentiles(warm_times),
+            "warm_match_plan": percentiles(match_times), "warm_commit": percentiles(commit_times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=1000)
+    parser.add_argument("--messages", type=int, default=12)
+    parser.add_argument("--mean-len", type=int, default=100)
+    parser.add_argument("--system-len", type=int, default=200)
+    parser.add_argument("--long-tokens", type=int, default=32_768)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--long-only", action="store_true")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--repeats", type=int, default=5, help="warm long-context admissions timed")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+
+    load = os.getloadavg()[0]
+    rng = np.random.default_rng(args.seed)
+    system = rng.integers(0, VOCAB, size=args.system_len)
+    convs = [make_conversation(rng, system, args.messages, args.mean_len) for _ in range(args.conversations)]
+    total = sum(c.program(args.messages - 2).n_tokens for c in convs)
+    pool = SlotPool(int(total * 2.5) + 100_000)
+    core = CacheCore(pool)
+
+    parts = {} if args.long_only else full_tree(core, convs, args)
+    result = {
+        "command": "python bench/cache_core.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "load_average_1m_at_start": round(load, 2)},
+        **parts,
+        "long_context": long_context(core, rng, system, args),
     }
     text = json.dumps(result, indent=2)
     print(text)

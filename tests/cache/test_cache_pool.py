@@ -119,3 +119,11 @@ def test_random_reference_changes_match_per_slot_counters() -> None:
         assert pool.n_protected == int((refs[inner] > 0).sum())
         assert pool.n_evictable == int(((refs[inner] == 0) & (tree[inner] > 0)).sum())
         assert pool.n_free == size - pool.n_held
+
+
+def test_n_distinct_counts_as_unique_does() -> None:
+    rng = np.random.default_rng(7)
+    pool = SlotPool(50)
+    for size in (0, 1, 5, 40, 200):
+        slots = rng.integers(1, 51, size=size)
+        assert pool.n_distinct(slots) == np.unique(slots).size

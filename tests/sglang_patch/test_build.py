@@ -16,6 +16,7 @@ from akv.system import _build
 
 PATCHED_FILES = {
     "sglang/_version.py",
+    "sglang/srt/entrypoints/http_server.py",
     "sglang/srt/entrypoints/openai/protocol.py",
     "sglang/srt/entrypoints/openai/serving_base.py",
     "sglang/srt/entrypoints/openai/serving_chat.py",

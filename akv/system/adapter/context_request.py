@@ -9,12 +9,15 @@ reads the terminal view, written into the row once before the first decode step.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from akv.system.adapter.window_lists import segment_round_end
 from akv.system.cache.core import ActiveRequest, CacheCore, Draft
 from akv.system.cache.occurrence import resolve_births
 from akv.system.cache.plan import CopyJob, Segment, Usage
+from akv.system.cache.pool import SlotPool
 from akv.system.context.compiler import append_generated
 from akv.system.context.program import ContextProgram
 
@@ -22,9 +25,9 @@ VISIBLE_ALWAYS = np.iinfo(np.int32).max
 """``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
 
 
-def _holds(draft: Draft) -> int:
+def _holds(draft: Draft, pool: SlotPool) -> int:
     """Slots a request planned by ``draft`` holds at its peak: births, copy slots and borrowed versions."""
-    return draft.plan.n_births + draft.n_copy_slots + int(np.unique(draft.plan.plan.borrowed).size)
+    return draft.plan.n_births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
 
 
 class AkvRequest:
@@ -44,6 +47,7 @@ class AkvRequest:
         self.terminal_written = False
         self._kept: tuple[ContextProgram, int] | None = None
         self.window: int | None = None  # the model's sliding window, set by the radix cache
+        self.admission_s = 0.0  # host seconds spent matching, planning, locking and committing
 
     # ---- planning -------------------------------------------------------------------------------
 
@@ -57,10 +61,12 @@ class AkvRequest:
         if self.pinned is not None and self.draft is not None:
             return self.draft
         if self.draft is None or self.draft.epoch != core.epoch or cold != self._cold:
+            started = time.perf_counter()
             self.draft = core.match(self.program, self.namespace, cold=cold)
             self._cold = cold
-            if not cold and room is not None and _holds(self.draft) > room:
+            if not cold and room is not None and _holds(self.draft, core.pool) > room:
                 self.draft = core.match(self.program, self.namespace, cold=True)
+            self.admission_s += time.perf_counter() - started
         return self.draft
 
     @property
@@ -97,8 +103,10 @@ class AkvRequest:
         and nothing evicts them before :meth:`commit` (which allocates the copy slots)."""
         if self.active is None and self.pinned is None:
             draft = self.plan_draft(core, cold=self._cold)
+            started = time.perf_counter()
             self.pinned = draft.plan.plan.borrowed
             core.pool.incref(self.pinned)
+            self.admission_s += time.perf_counter() - started
 
     def unlock(self, core: CacheCore) -> None:
         if self.pinned is not None:
@@ -113,8 +121,10 @@ class AkvRequest:
         held = self.pinned is not None
         draft = self.draft if held else self.plan_draft(core, cold=self._cold)
         assert draft is not None
+        started = time.perf_counter()
         self.active = core.commit(draft, held=held)
         self.unlock(core)
+        self.admission_s += time.perf_counter() - started
         self.segment = 0
         self.terminal_written = False
         if self.first_usage is None:

@@ -4,7 +4,10 @@ Per context request, counted once when it is first committed (a re-admission aft
 is not a new request): the request, its Drop and Repos events, the tokens it read through
 re-rotated copies, and the *recovered* tokens: prompt tokens before its last cache operation that
 had to be prefilled because their KV (as those tokens originally saw the context) was not resident.
-Per eviction: the KV slots the AKV tree freed.
+Per eviction: the KV slots the AKV tree freed. Per finished context request: the host seconds its
+admission took (matching and planning against the tree, locking, committing). Per launch of an AKV
+Triton kernel in a specialization not launched before in the process: one first launch (compiled
+then; :mod:`akv.system.adapter.warmup` makes them all at start).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from akv.system.adapter.warmup import SHAPES
 from akv.system.context.program import EventKind
 
 PREFIX = "sglang:akv_"
@@ -26,6 +30,8 @@ _COUNTERS = {
     "rerotated_tokens": "Tokens read through re-rotated KV copies.",
     "recovered_tokens": "Prompt tokens before a request's last cache operation that were prefilled.",
     "evicted_tokens": "KV slots freed by the AKV tree's eviction.",
+    "admission_seconds": "Host seconds of context requests' admission (match, plan, lock, commit).",
+    "kernel_first_launches": "Launches of an AKV Triton kernel in a specialization new to the process.",
 }
 
 
@@ -45,6 +51,8 @@ class AkvMetrics:
         if enabled:
             for name, family in _families().items():
                 setattr(self, name, family.labels(model_name=model_name))
+            self.kernel_first_launches.inc(SHAPES.first_launches)
+            SHAPES.on_first = self.kernel_first_launches.inc
 
     def admitted(self, program: Any, plan: Any) -> None:
         """A context request's first commit: its program and the plan it runs."""
@@ -57,6 +65,11 @@ class AkvMetrics:
         self.rerotated_tokens.inc(plan.usage.repos_tokens)
         last = program.events[-1].at if program.events else 0
         self.recovered_tokens.inc(int(np.count_nonzero(plan.computed[:last])))
+
+    def finished(self, admission_seconds: float) -> None:
+        """A context request finished (or was aborted) after ``admission_seconds`` of admission."""
+        if self.enabled:
+            self.admission_seconds.inc(admission_seconds)
 
     def evicted(self, n_slots: int) -> None:
         if self.enabled and n_slots:

@@ -67,39 +67,36 @@ def plain_key(token_ids: np.ndarray, namespace: str = "") -> RecordKey:
 
 def program_key(program: ContextProgram, namespace: str = "") -> RecordKey:
     """Key of a compiled program: its tokens with the effective events inserted where they apply."""
-    pieces: list[np.ndarray] = []
-    token_record: list[np.ndarray] = []
-    done = 0
-    length = 0
+    at: list[int] = []
+    inserted: list[int] = []
+    lengths: list[int] = []
     gap = False
     for event in program.events:
         records = _event_records(event.kind, event.ranges, gap)
         gap = (gap or bool(event.ranges)) and event.kind is not EventKind.REPOS
-        if records.size == 0:
-            continue
-        pieces.append(program.token_ids[done : event.at])
-        token_record.append(np.arange(length, length + event.at - done))
-        length += event.at - done
-        pieces.append(records)
-        length += records.size
-        done = event.at
-    pieces.append(program.token_ids[done:])
-    token_record.append(np.arange(length, length + program.n_tokens - done))
-    return RecordKey(
-        records=frozen(np.concatenate(pieces).astype(np.int64), np.int64),
-        token_record=frozen(np.concatenate(token_record).astype(np.int64), np.int64),
-        namespace=namespace,
-    )
+        if records:
+            at.append(event.at)
+            lengths.append(len(records))
+            inserted.extend(records)
+    n = program.n_tokens
+    where, sizes = np.asarray(at, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    tokens = np.arange(n, dtype=np.int64)
+    before = np.concatenate([[0], np.cumsum(sizes)])  # records of the events before each
+    token_record = tokens + before[np.searchsorted(where, tokens, side="right")]
+    records = np.empty(n + len(inserted), dtype=np.int64)
+    records[token_record] = program.token_ids
+    records[np.repeat(where, sizes) + np.arange(len(inserted), dtype=np.int64)] = inserted
+    return RecordKey(records=frozen(records, np.int64), token_record=frozen(token_record, np.int64),
+                     namespace=namespace)
 
 
-def _event_records(kind: EventKind, ranges: tuple[tuple[int, int], ...], gap: bool) -> np.ndarray:
+def _event_records(kind: EventKind, ranges: tuple[tuple[int, int], ...], gap: bool) -> list[int]:
     """Records of one event; a Repos counts only when a Drop hid something since the last one."""
     if kind is EventKind.REPOS:
-        return np.array([REPOS] if gap else [], dtype=np.int64)
+        return [REPOS] if gap else []
     if not ranges:
-        return np.zeros(0, dtype=np.int64)
-    bounds = -(np.asarray(ranges, dtype=np.int64).reshape(-1) + BOUND_BASE)
-    return np.concatenate([[DROP_OPEN], bounds, [DROP_CLOSE]]).astype(np.int64)
+        return []
+    return [DROP_OPEN, *(-(bound + BOUND_BASE) for pair in ranges for bound in pair), DROP_CLOSE]
 
 
 def _token_ids(value: np.ndarray) -> np.ndarray:

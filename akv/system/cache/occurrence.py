@@ -97,7 +97,9 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
     segments = []
     for step, span in enumerate(segment_spans(program, computed)):
         visible = np.flatnonzero(program.visible_until[: span.start] > span.start)
-        at_stage = stages.at(span.stage)[visible]
+        at_stage = _last_stage_positions(program, span.stage, visible)
+        if at_stage is None:
+            at_stage = stages.at(span.stage)[visible]
         prefix_slots, copies = table.resolve(visible, at_stage, step)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
         births = frozen(-2 - tokens, np.int64)
@@ -127,6 +129,15 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         return np.where(copies, recolor[np.where(copies, -a - offset, colors.size)], a)
 
     return DraftPlan(program.n_tokens, n_colors, map_slots(plan, colored))
+
+
+def _last_stage_positions(program: ContextProgram, stage: int, tokens: np.ndarray) -> np.ndarray | None:
+    """Positions of ``tokens`` at ``stage`` without replaying the stages: their final positions when
+    ``stage`` is the last one and no Drop hides any of them (None otherwise)."""
+    if stage != program.n_stages - 1:
+        return None
+    final = program.final_position[tokens]
+    return final if final.min(initial=0) >= 0 else None
 
 
 def cold_plan(program: ContextProgram) -> DraftPlan:
@@ -226,32 +237,37 @@ class _VersionTable:
     ) -> tuple[np.ndarray, CopyJob]:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
         version exists (``pinned`` copies live to the end)."""
-        valid = self.slots[tokens] != _EMPTY
-        exact = valid & (self.positions[tokens] == positions[:, None])
-        found = exact.any(axis=1)
+        slots, held = np.take(self.slots, tokens, axis=0), np.take(self.positions, tokens, axis=0)
+        valid = slots != _EMPTY
+        exact = valid & (held == positions[:, None])
         col = exact.argmax(axis=1)
-        out = np.where(found, self.slots[tokens, col], _EMPTY)
-        rows = np.flatnonzero(found)
-        self.used[tokens[rows], col[rows]] = True
-        self.rerotated[tokens[rows]] |= col[rows] == self.copy_col
+        width = slots.shape[1]
+        cell = np.arange(tokens.size) * width + col
+        found = np.take(exact.reshape(-1), cell)
+        out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
+        hit = np.flatnonzero(found)
+        self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
+        self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
         self.read[tokens] = True
-        self._touch(out[found], _FOREVER if pinned else step)
-        need = tokens[~found]
-        has_source = valid[~found].any(axis=1)
+        self._touch(out[hit], _FOREVER if pinned else step)
+        miss = np.flatnonzero(~found)
+        need = tokens[miss]
+        sources = valid[miss]
+        has_source = sources.any(axis=1)
         if not has_source.all():
             raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
-        at_birth = valid[~found] & (self.positions[need] == self.birth[need][:, None])
-        src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), valid[~found].argmax(axis=1))
-        src = self.slots[need, src_col]
-        old = self.positions[need, src_col]
+        at_birth = sources & (held[miss] == self.birth[need][:, None])
+        src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), sources.argmax(axis=1))
+        src = slots[miss, src_col]
+        old = held[miss, src_col]
         self.used[need, src_col] = True
         self._touch(src, step)
         dst = self.fresh(need.size, step, pinned=pinned)
-        new = positions[~found]
+        new = positions[miss]
         self.slots[need, self.copy_col] = dst
         self.positions[need, self.copy_col] = new
         self.rerotated[need] = True
-        out[~found] = dst
+        out[miss] = dst
         job = CopyJob(*(frozen(a, np.int64) for a in (need, src, dst, old, new)))
         return frozen(out, np.int64), job
 

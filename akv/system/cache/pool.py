@@ -71,6 +71,7 @@ class SlotPool:
         # written now (np.full, not the lazily mapped np.zeros): a slot's first use then takes no page fault
         self._refs = np.full(size + 1, 0, dtype=np.int64)
         self._tree = np.full(size + 1, 0, dtype=np.int64)
+        self._mark = np.full(size + 1, 0, dtype=np.int64)  # scratch of _listed
         self._free_list: FreeList = ArrayFreeList(size) if free_list is None else free_list
         self._on_free = on_free
         self._n_evictable = 0
@@ -152,15 +153,15 @@ class SlotPool:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return 0
-        touched, counts = _unique_counts(slots)
-        if touched[0] < 1 or touched[-1] > self.size:
+        if slots.min() < 1 or slots.max() > self.size:
             self._in_range(slots, op)
+        touched, counts = self._listed(slots)
         requests, tree = self._refs[touched], self._tree[touched]
         if not (requests + tree).all():
             self._refuse_free(slots, op)
         changed = (requests if holder is self._refs else tree) + delta * counts
         if delta < 0 and (changed < 0).any():
-            raise PoolError(f"slots: slot {int(touched[changed < 0][0])} released more often than referenced")
+            raise PoolError(f"slots: slot {int(touched[changed < 0].min())} released more often than referenced")
         holder[touched] = changed
         protected = 0
         if holder is self._refs:
@@ -168,7 +169,7 @@ class SlotPool:
             requests = changed
         else:
             tree = changed
-        freed = touched[(requests + tree) == 0] if delta < 0 else touched[:0]
+        freed = np.sort(touched[(requests + tree) == 0]) if delta < 0 else touched[:0]
         # every touched slot was held: those that did not become or stay protected, nor were freed, are evictable
         self._n_protected += protected
         self._n_evictable -= protected + int(freed.size)
@@ -177,6 +178,21 @@ class SlotPool:
             if self._on_free is not None:
                 self._on_free(freed)
         return int(freed.size)
+
+    def n_distinct(self, slots: np.ndarray) -> int:
+        """How many distinct slots ``slots`` (in range) lists, without sorting."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        order = np.arange(slots.size, dtype=np.int64)
+        self._mark[slots] = order  # with repeats, one listing of each slot is left marked
+        return int(np.count_nonzero(self._mark[slots] == order))
+
+    def _listed(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
+        """The distinct slots and how often each is listed, as :func:`_unique_counts` (but in the
+        given order when none repeats, the usual case of a request's borrowed versions, found
+        without sorting). ``slots`` must be in range."""
+        if self.n_distinct(slots) == slots.size:
+            return slots, 1
+        return _unique_counts(slots)
 
     def _in_range(self, slots: np.ndarray, op: str) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)

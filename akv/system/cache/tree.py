@@ -472,7 +472,7 @@ def _gather(parts: list[tuple[TreeNode, int]], rows: np.ndarray) -> tuple[np.nda
     if not slots:
         empty = np.zeros((0, width), dtype=np.int64)
         return empty, empty.copy()
-    return np.concatenate(slots)[rows], np.concatenate(positions)[rows]
+    return np.take(np.concatenate(slots), rows, axis=0), np.take(np.concatenate(positions), rows, axis=0)
 
 
 def _pad(arr: np.ndarray, width: int) -> np.ndarray:

@@ -1,0 +1,220 @@
+"""Next-turn time to first token of an agent conversation: AKV vs its floor vs the trimmed text.
+
+For each size (tool-result steps of about ``--result-tokens`` tokens: 29 steps is the 33k-token
+conversation of issue #29, 113 steps about 128k) and each trial (a fresh system message, so nothing
+is shared across trials): the patched server prefills the conversation's turn; its next turn (one
+more tool call and result) then drops the first half of the tool results and repositions at the
+new message (``drop_message`` + ``reposition``), timed with one output token. On stock SGLang the
+same next turn without the dropped results is served twice: the *floor* (its prefix without the new
+tool call and result resident first, so only the new tokens are prefilled over a resident prefix of
+the live length), then, after ``/flush_cache``, the *trimmed text* re-prefilled cold. The server's
+metrics give each AKV request's admission time (``sglang:akv_admission_seconds_total``) and the
+kernel specializations first launched during it (``sglang:akv_kernel_first_launches_total``: 0 when
+the warm-up compiled everything). The first trial of the first size is the server's first context
+request; the report has it beside the median of the trials after it.
+
+H200 (one device call, carry [".devkit"]; Qwen3-8B shape, dummy weights, FlashInfer, CUDA graphs):
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/next_turn.py" DEADLINE_S=540 \\
+        bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
+writes ``$AKV_BENCH_OUT/next_turn.json`` (and a copy in ``$OUT``) after every trial.
+
+CPU smoke (``--dry-run``): the tiny random Qwen3 on the patched CPU server, which also serves the
+floor and the trimmed text (its plain path); one small size, two trials, no tools in the requests and
+tool results cut to 40 characters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
+
+import server_process  # noqa: E402
+from akv_8b_check import Conversation, Server  # noqa: E402
+from akv_decode_bench import COMMON, POOLS  # noqa: E402
+
+GOAL_VS_FLOOR = 1.5
+GOAL_FIRST_VS_MEDIAN = 1.5
+CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
+             "--chunked-prefill-size", "256", "--mem-fraction-static", "0.5", "--max-total-tokens", "8192",
+             "--enable-cache-report"]
+METRIC = re.compile(r'^sglang:akv_(admission_seconds|kernel_first_launches)_total\{[^}]*\} ([0-9.e+-]+)$', re.M)
+
+
+def akv_metrics(url: str) -> dict[str, float]:
+    """The AKV counters this benchmark reads, from ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {name: float(value) for name, value in METRIC.findall(text)}
+
+
+def settled(url: str, before: dict[str, float], seconds: float = 5.0) -> dict[str, float]:
+    """The counters once the last request's admission time is in (it is counted when it finishes)."""
+    deadline = time.time() + seconds
+    while True:
+        now = akv_metrics(url)
+        if now.get("admission_seconds", 0.0) > before.get("admission_seconds", 0.0) or time.time() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+def flush(server: Server) -> None:
+    request = urllib.request.Request(f"{server.url}/flush_cache", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.read()
+
+
+def trial(patched: Server, stock: Server, base: list[dict[str, Any]], new: list[dict[str, Any]],
+          seed: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """One next turn: ``base`` (the turn, system message first) followed by ``new`` (the tool call
+    and result that make the next turn), with a fresh system message; ``fields`` go in every request."""
+    turn = [{"role": "system", "content": f"Trial {seed}: follow chains of records with read_record."}, *base[1:]]
+    nxt = turn + new
+    anchor = len(nxt) - 1
+    results = [i for i, m in enumerate(turn) if m["role"] == "tool"]
+    dropped = results[: len(results) // 2]
+    patched.chat({"messages": turn, **fields}, 1)
+    before = akv_metrics(patched.url)
+    akv = patched.chat({"messages": nxt, **fields, "drop_message": {str(anchor): dropped}, "reposition": [anchor]}, 1)
+    after = settled(patched.url, before)
+    live = [m for i, m in enumerate(nxt) if i not in dropped]
+    stock.chat({"messages": live[: -len(new)], **fields}, 1)
+    floor = stock.chat({"messages": live, **fields}, 1)
+    flush(stock)
+    trimmed = stock.chat({"messages": live, **fields}, 1)
+    return {"prompt_tokens": akv["usage"]["prompt_tokens"], "live_tokens": trimmed["usage"]["prompt_tokens"],
+            "akv_s": akv["seconds"], "floor_s": floor["seconds"], "trimmed_text_s": trimmed["seconds"],
+            "admission_ms": 1e3 * (after.get("admission_seconds", 0.0) - before.get("admission_seconds", 0.0)),
+            "kernel_first_launches": after.get("kernel_first_launches", 0.0) - before.get("kernel_first_launches", 0.0),
+            "akv_usage": akv["usage"].get("prompt_tokens_details"),
+            "floor_cached_tokens": (floor["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def summary(trials: list[dict[str, Any]], first_is_servers_first: bool) -> dict[str, Any]:
+    """Medians over the trials after the first, their ratios, and the first trial beside them."""
+    rest = trials[1:] or trials
+    med = {k: statistics.median(t[k] for t in rest) for k in ("akv_s", "floor_s", "trimmed_text_s", "admission_ms")}
+    out = {"trials": len(trials), "median_after_first": med, "akv_vs_floor": med["akv_s"] / med["floor_s"],
+           "trimmed_vs_akv": med["trimmed_text_s"] / med["akv_s"], "first": trials[0],
+           "first_vs_median": trials[0]["akv_s"] / med["akv_s"],
+           "kernel_first_launches": sum(t["kernel_first_launches"] for t in trials)}
+    out["ok"] = out["akv_vs_floor"] <= GOAL_VS_FLOOR and (
+        not first_is_servers_first or out["first_vs_median"] <= GOAL_FIRST_VS_MEDIAN)
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, small sizes, one patched server")
+    p.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"))
+    p.add_argument("--steps", default="29 113", help="tool-result steps per size (29: ~33k tokens, 113: ~128k)")
+    p.add_argument("--result-tokens", type=int, default=800)
+    p.add_argument("--trials", type=int, default=10, help="trials per size after its first")
+    p.add_argument("--deadline-s", type=float, default=420.0,
+                   help="no new trial starts this many seconds after the start (run.sh stops a bench at 540 s in all)")
+    p.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"))
+    p.add_argument("--work", type=Path, default=Path("/tmp/akv-next-turn"))
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "next_turn.json")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.steps, args.result_tokens, args.trials, args.deadline_s = "2", 8, 1, 3600.0
+    return args
+
+
+def servers(args: argparse.Namespace) -> tuple[Server, Server]:
+    """The patched server (and stock; the same server in a dry run), started together."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs = args.out.parent
+    if args.dry_run:
+        from akv.system.models.tiny import make_tiny_model
+
+        args.model = make_tiny_model(args.work / "tiny-qwen3", seed=3)
+        site = [str(ROOT / "tests" / "sglang_cpu" / "site"), str(server_process.cpu_patched_site(args.work)), str(ROOT)]
+        patched = Server("patched", [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(args.model),
+                                     *CPU_FLAGS, "--enable-metrics"],
+                         {**env, "PYTHONPATH": os.pathsep.join(site)}, server_process.free_port(),
+                         logs / "server-next-turn-patched.log")
+        return patched, patched
+    server_process.unpack_stock_site(args.stock_site)
+    patched = Server("patched", [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(args.model),
+                                 *COMMON, *POOLS["patched"], "--enable-metrics"], env, 30020,
+                     logs / "server-next-turn-patched.log")
+    stock = Server("stock", [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model),
+                             *COMMON, *POOLS["stock"]], {**env, "PYTHONPATH": str(args.stock_site)}, 30021,
+                   logs / "server-next-turn-stock.log")
+    return patched, stock
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    for path in (out, *([Path(os.environ["OUT"]) / out.name] if os.environ.get("OUT") else [])):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the report
+    args = parse_args(argv)
+    started = time.time()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    patched, stock = servers(args)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    report: dict[str, Any] = {"command": " ".join(["python", "bench/next_turn.py", *(argv or sys.argv[1:])]),
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                              "server_args": CPU_FLAGS if args.dry_run else COMMON, "sizes": {}}
+    ok = True
+    try:
+        patched.wait(600)
+        if stock is not patched:
+            stock.wait(600)
+        report["startup_s"] = round(time.time() - started, 1)
+        report["kernel_first_launches_at_ready"] = akv_metrics(patched.url).get("kernel_first_launches", 0.0)
+        fields = {"tools": None} if args.dry_run else {}  # the tiny model's CPU prefill: no tools block
+        for index, steps in enumerate(int(s) for s in args.steps.split()):
+            conv = Conversation(tokenizer, 0, args.result_tokens)
+            for _ in range(steps + 1):
+                conv.step()
+            if args.dry_run:  # the tiny model's CPU prefill: tool results of a few words
+                conv.messages = [dict(m, content=m["content"][:40]) if m["role"] == "tool" else m for m in conv.messages]
+            base, new = conv.messages[:-2], conv.messages[-2:]
+            rows: list[dict[str, Any]] = []
+            for seed in range(args.trials + 1):
+                if rows and time.time() - started > args.deadline_s:
+                    report["sizes"][str(steps)]["cut_by_deadline"] = True
+                    break
+                rows.append(trial(patched, stock, base, new, 1000 * (index + 1) + seed, fields))
+                print(f"steps {steps} trial {seed}", json.dumps(rows[-1]), flush=True)
+                report["sizes"][str(steps)] = {"rows": rows, **summary(rows, index == 0)}
+                write(report, args.out)
+            ok = ok and report["sizes"][str(steps)]["ok"]
+    except Exception as exc:  # noqa: BLE001 - the report says what stopped the run
+        body = exc.read().decode(errors="replace")[:1000] if isinstance(exc, urllib.error.HTTPError) else ""
+        report["error"] = f"{exc!r} {body}"[-2000:]
+        ok = False
+    finally:
+        patched.stop()
+        if stock is not patched:
+            stock.stop()
+        report["total_s"] = round(time.time() - started, 1)
+        report["ok"] = ok
+        write(report, args.out)
+    print(json.dumps({k: {m: v.get(m) for m in ("akv_vs_floor", "first_vs_median", "ok")}
+                      for k, v in report["sizes"].items()}), flush=True)
+    return 0 if ok or args.dry_run and "error" not in report else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
