@@ -130,6 +130,11 @@ def test_validation_errors_name_the_field_without_the_body(address: tuple[str, i
     assert "secret" not in error["message"]
 
 
+def test_a_body_that_is_not_json_is_a_400_naming_the_content_type() -> None:
+    error = {"type": "value_error", "loc": ["header", "content-type"], "msg": "Unsupported Media Type"}
+    assert http_limits.validation_message([error]) == ("content-type", "content-type: Unsupported Media Type")
+
+
 def test_the_limit_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(http_limits.MAX_BODY_ENV, "0")
     with pytest.raises(ValueError, match="AKV_MAX_BODY_BYTES: must be a positive number of bytes, got '0'"):

@@ -63,13 +63,19 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str]:
         if error.get("type") == "json_invalid":
             parts.append(f"body: not valid JSON ({(error.get('ctx') or {}).get('error', error.get('msg'))})")
             continue
-        loc = [p for p in error.get("loc", ()) if p != "body"]
+        loc = _field_path(error)
         where = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
         parts.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
-    first = [p for p in errors[0].get("loc", ()) if p != "body"] if errors else []
+    first = _field_path(errors[0]) if errors and errors[0].get("type") != "json_invalid" else []
     param = str(first[0]) if first and not isinstance(first[0], int) else "body"
     extra = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return param, "; ".join(parts) + extra
+
+
+def _field_path(error: dict[str, Any]) -> list[Any]:
+    """The error's location less FastAPI's source marker (``body``, ``header``, ``query``, ``path``)."""
+    loc = list(error.get("loc", ()))
+    return loc[1:] if loc and loc[0] in ("body", "header", "query", "path") else loc
 
 
 def error_body(status: HTTPStatus, message: str, param: str | None) -> dict[str, Any]:
