@@ -21,11 +21,15 @@ class UnknownContextField(RuleError):
 
 
 def note_unknown_fields(values: Any) -> Any:
-    """Body of ``ChatCompletionRequest``'s 'before' validator: remember top-level keys that look like
+    """Body of ``ChatCompletionRequest``'s first 'before' validator: refuse a body that is not a JSON
+    object (the stock validators after it read it as a dict); remember top-level keys that look like
     misspelt AKV fields (``drop_messages``, ``repositions``...) so the request is refused with a 400
     instead of being served silently as a plain request."""
     if not isinstance(values, Mapping):
-        return values
+        from pydantic_core import PydanticCustomError
+
+        raise PydanticCustomError("object_type", "the request body must be a JSON object, got {kind}",
+                                  {"kind": _json_kind(values)})
     unknown = sorted(k for k in values if isinstance(k, str) and k not in FIELDS and _looks_like_akv(k))
     return {**values, "akv_unknown_fields": unknown} if unknown else values
 
@@ -46,6 +50,11 @@ def request_rules(request: Any) -> RequestRules | None:
 def message_dict(message: Any) -> dict[str, Any]:
     """A request message as the plain dict the rules read (pydantic messages are dumped)."""
     return message.model_dump() if hasattr(message, "model_dump") else dict(message)
+
+
+def _json_kind(value: Any) -> str:
+    kinds = ((bool, "a boolean"), (str, "a string"), ((int, float), "a number"), (list, "an array"))
+    return "null" if value is None else next((k for t, k in kinds if isinstance(value, t)), type(value).__name__)
 
 
 def _looks_like_akv(key: str) -> bool:

@@ -163,13 +163,16 @@ class AkvRadixCache(BasePrefixCache):
             req.prefix_indices = to_device(state.prefix_view(start), self.device)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
+        """Publish the KV of the prompt and of every generated token fed back (all but the last), as
+        the reference server does: the last token's KV, which only the overlap schedule computes, is
+        freed, so what later requests reuse (and their usage) does not depend on the schedule."""
         state = getattr(req, "akv", None)
         if state is None:
-            self._publish_plain(req, self._row(req, kv_len_to_handle), is_insert)
+            self._publish_plain(req, self._row(req, self._fed_back(req, kv_len_to_handle, 0)), is_insert)
             self.dec_lock_ref(req.last_node)
             return
         n = state.program.n_tokens
-        generated = self._row(req, kv_len_to_handle, start=n)
+        generated = self._row(req, self._fed_back(req, kv_len_to_handle, n), start=n)
         done = n - state.base.n_tokens
         ids = np.asarray(list(req.output_ids)[done : done + generated.size], dtype=np.int64)
         self.core.pool.adopt(generated)
@@ -179,6 +182,14 @@ class AkvRadixCache(BasePrefixCache):
         else:
             state.release(self.core, publish=False)
             self.core.pool.decref(generated)
+
+    def _fed_back(self, req: Any, kv_len: int, start: int) -> int:
+        """End of the columns ``< kv_len`` holding the prompt and the generated tokens fed back
+        (at least ``start``); the columns after it, up to ``kv_len``, go back to the allocator."""
+        end = min(kv_len, max(len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0), start))
+        if kv_len > end:
+            self.token_to_kv_pool_allocator.free(to_device(self._row(req, kv_len, start=end), self.device))
+        return end
 
     def _cache_unfinished_plain(self, req: Any) -> None:
         row = self._row(req, len(req.get_fill_ids()))

@@ -1,6 +1,7 @@
 """Hooks for the patched ``serving_chat.py``: admit or refuse a context request, then compile its
-program from the very prompt SGLang rendered; for ``serving_base.py``: convert a context request
-(render, provenance, compile) in a worker thread, off the HTTP event loop."""
+program from the very prompt SGLang rendered; for ``serving_base.py``: check every request
+(:mod:`akv.system.adapter.request_checks`), then convert it, a context request (render, provenance,
+compile) in a worker thread, off the HTTP event loop."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from akv.system.adapter import request_checks
 from akv.system.adapter.protocol import message_dict, request_rules
 from akv.system.context.drop_rule import KeepTextDrop, RequestRules, ThinkingDrop, is_context_request
 from akv.system.context.program import ContextProgram
@@ -64,7 +66,7 @@ def error_param(error: ValueError) -> str | None:
     """The ``param`` of SGLang's 400 for an AKV refusal (None for SGLang's own errors)."""
     if isinstance(error, RuleError):
         return error.field.split("[", 1)[0]
-    if isinstance(error, UnsupportedContextRequest):
+    if isinstance(error, (UnsupportedContextRequest, request_checks.RequestFieldError)):
         return error.param
     if isinstance(error, SpanError):
         return "drop_rule"
@@ -74,14 +76,20 @@ def error_param(error: ValueError) -> str | None:
 
 
 async def convert_request(serving: Any, request: Any, raw_request: Any) -> Any:
-    """``serving._convert_to_internal_request(request, raw_request)``: inline for a plain request
-    (stock behaviour), in the worker thread for a context request, whose template render,
-    provenance and compile can take seconds for a long conversation."""
+    """``serving._convert_to_internal_request(request, raw_request)`` after
+    :func:`akv.system.adapter.request_checks.check`: inline for a plain request (as stock), in the
+    worker thread for a context request, whose template render, provenance and compile can take
+    seconds for a long conversation."""
     if not is_context_request(getattr(request, "drop_message", None), getattr(request, "drop_rule", None),
                               getattr(request, "reposition", None)):
-        return serving._convert_to_internal_request(request, raw_request)
+        return _checked_convert(serving, request, raw_request)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_CONVERTER, serving._convert_to_internal_request, request, raw_request)
+    return await loop.run_in_executor(_CONVERTER, _checked_convert, serving, request, raw_request)
+
+
+def _checked_convert(serving: Any, request: Any, raw_request: Any) -> Any:
+    request_checks.check(request)
+    return serving._convert_to_internal_request(request, raw_request)
 
 
 def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> RequestRules | None:
