@@ -4,9 +4,9 @@ and its encoded program reaches the scheduler as plain bytes."""
 
 from __future__ import annotations
 
-import pickle
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -31,7 +31,7 @@ def test_a_dropped_large_tool_result_is_served_on_its_live_length(monkeypatch: p
     encoded = lengths.encode_checked(program(True), {"max_new_tokens": 8}, 2048)
     assert encoded.live_length == 10 + 10 + 3 and encoded.n_tokens == sum(SIZES) + 3
     assert lengths.input_tokens(SimpleNamespace(context_program=encoded), list(range(2023))) == 23
-    sent = pickle.loads(pickle.dumps(encoded))
+    sent = msgspec.msgpack.decode(msgspec.msgpack.encode(lengths.wire_bytes(encoded)))  # SGLang's transport
     assert type(sent) is bytes and decode_program(sent).next_position == 23
 
 

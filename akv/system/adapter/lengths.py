@@ -22,7 +22,8 @@ to this many times the model's context length."""
 
 class EncodedProgram(bytes):
     """A context program's wire form with its live length and text length, read by the tokenizer
-    manager's length check without decoding; it travels on to the scheduler as plain bytes."""
+    manager's length check without decoding; it travels on to the scheduler as plain bytes
+    (:func:`wire_bytes`: SGLang's msgspec transport takes no subclass)."""
 
     live_length: int
     n_tokens: int
@@ -32,9 +33,6 @@ class EncodedProgram(bytes):
         made.live_length = live_length(program)
         made.n_tokens = program.n_tokens
         return made
-
-    def __reduce__(self) -> tuple[type, tuple[bytes]]:
-        return bytes, (bytes(self),)
 
 
 def text_limit(context_len: int) -> int:
@@ -76,6 +74,11 @@ def encode_checked(program: ContextProgram | None, sampling_params: dict[str, An
     if problem is not None:
         raise UnsupportedContextRequest(f"messages: {problem}", "messages")
     return EncodedProgram(encode_program(program), program)
+
+
+def wire_bytes(program: bytes | None) -> bytes | None:
+    """What the tokenizer manager sends the scheduler for ``context_program``: plain bytes."""
+    return None if program is None else bytes(program)
 
 
 def input_tokens(obj: Any, input_ids: list[int] | None) -> int:
