@@ -40,7 +40,8 @@ def conversation() -> list[dict[str, str]]:
     messages = [{"role": "system", "content": "You follow records."}, {"role": "user", "content": "Start at 0."}]
     for k in range(TURNS):
         messages.append({"role": "assistant", "content": f"Reading {k}."})
-        messages.append({"role": "user", "content": f"Record {k}: " + " ".join(f"crate {k * 7 + j}" for j in range(12))})
+        record = " ".join(f"crate {k * 7 + j}" for j in range(12))
+        messages.append({"role": "user", "content": f"Record {k}: {record}"})
     return messages
 
 
