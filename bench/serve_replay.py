@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--count", type=int, default=4, help="synthetic trajectories per preset")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-turns", type=int, help="cut each trajectory to its first N calls")
+    p.add_argument("--turns", type=int, help="synthetic trajectories of exactly N tool-call turns (default: the "
+                                             "preset's range); long ones carry the text past the context length")
+    p.add_argument("--live-budget", type=int, default=96_000, help="akv_live_budget keeps the live length under "
+                                                                   "this many tokens")
     p.add_argument("--start-turn", type=int, default=0, help="send only the requests from this turn on (the first "
                                                              "one prefills cold): measures deep in the trajectories")
     p.add_argument("--run-seconds", type=float, help="per (method, concurrency): start no request after this long")
@@ -111,7 +115,7 @@ def load_trajectories(args: argparse.Namespace) -> list[Trajectory]:
     if args.trajectories:
         found = load_jsonl(args.trajectories)
     else:
-        found = [generate(PRESETS[name], args.seed * 1000 + k, f"{name}-{args.seed * 1000 + k}")
+        found = [generate(PRESETS[name], args.seed * 1000 + k, f"{name}-{args.seed * 1000 + k}", args.turns)
                  for name in (args.preset or ["swe", "browse"]) for k in range(args.count)]
     return [truncate(t, args.max_turns) if args.max_turns else t for t in found]
 
@@ -181,12 +185,14 @@ def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Me
 def progress_line(row: dict[str, Any]) -> str:
     return (f"{row['method']:>22} c={row['concurrency']:<3} {row['requests']:5d} requests ({row['failed']} failed) "
             f"in {row['wall_s']:8.1f} s: {row['output_tok_per_s'] or 0:9.1f} out tok/s, "
-            f"{row['input_tok_per_s'] or 0:10.1f} in tok/s, P95 {row['latency_p95_s'] or 0:.2f} s")
+            f"{row['input_tok_per_s'] or 0:10.1f} in tok/s, P95 {row['latency_p95_s'] or 0:.2f} s, longest text "
+            f"{row['longest_prompt_tokens']} tokens")
 
 
 def choose_methods(names: str, args: argparse.Namespace) -> list[Method]:
     """The methods named in a comma-separated list (``none``: no method)."""
-    methods = {m.name: m for m in default_methods(args.standard_threshold, args.text_threshold, args.keep)}
+    methods = {m.name: m for m in default_methods(args.standard_threshold, args.text_threshold, args.keep,
+                                                  args.live_budget)}
     chosen = [s.strip() for s in names.split(",") if s.strip() and s.strip() != "none"]
     unknown = [m for m in chosen if m not in methods]
     if unknown:

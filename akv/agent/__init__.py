@@ -3,6 +3,7 @@
 Read the final chat payload, decide which earlier messages the model should stop attending to
 (drop) and when to compact positions (reposition), and add those decisions to the payload."""
 
+from akv.agent.budget import LiveBudgetSelection, LiveBudgetTrigger, live_budget_policy
 from akv.agent.context import DecisionContext
 from akv.agent.counting import ApproximateTokenCounter, TokenCounter, TokenLayout
 from akv.agent.errors import (
@@ -38,12 +39,13 @@ from akv.agent.triggers import ModelTrigger, TokenTrigger, TurnTrigger
 __all__ = [
     "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
     "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
-    "HistoryError", "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest",
+    "HistoryError", "HTTPStatusError", "IncompleteStreamError", "LiveBudgetSelection", "LiveBudgetTrigger",
+    "ModelReposition", "ModelRequest",
     "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "ResultSelection", "RuleError",
     "StreamError",
     "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
     "TokenReposition", "TokenSelection", "TokenTrigger", "ToolCall", "TransportError", "TurnReposition",
     "TurnSelection", "TurnTrigger", "UnexpectedResponseError", "Usage", "extra_body", "keep_text_payload",
-    "send_chat_request",
+    "live_budget_policy", "send_chat_request",
     "sglang_template_inputs",
 ]

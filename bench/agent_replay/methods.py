@@ -19,6 +19,7 @@ from akv.agent import (
     TokenLayout,
     TokenReposition,
     TurnReposition,
+    live_budget_policy,
 )
 from bench.agent_replay.chat import skeleton
 from bench.agent_replay.trajectories import Trajectory, TrajectoryError
@@ -187,11 +188,14 @@ def reference_policy(keep: int = 12, reposition_tokens: int | None = None) -> Po
                                        reposition=TokenReposition(reposition_tokens, counter))
 
 
-def default_methods(standard: int = 96_000, text_engineering: int = 48_000, keep: int = 12) -> list[Method]:
+def default_methods(standard: int = 96_000, text_engineering: int = 48_000, keep: int = 12,
+                    live_budget: int = 96_000) -> list[Method]:
     """Full context, Standard (summarize past `standard` tokens), Text Engineering (past
-    `text_engineering`), trimming (`keep` results), and AKV keeping `keep` results with positions
-    compacted past `standard` tokens (`akv_keep12`) or at every drop (`akv_keep12_every_turn`); the
-    names stay those of the default `keep`."""
+    `text_engineering`), trimming (`keep` results), AKV keeping `keep` results with positions
+    compacted past `standard` tokens (`akv_keep12`) or at every drop (`akv_keep12_every_turn`) (the
+    names stay those of the default `keep`), and AKV keeping the live length under `live_budget`
+    tokens (`akv_live_budget`: akv.agent.live_budget_policy)."""
     return [FullContext(), Summarize(standard, name="standard"), Summarize(text_engineering, name="text_engineering"),
             Trim(keep), AKV(reference_policy(keep, standard), name="akv_keep12"),
-            AKV(reference_policy(keep), name="akv_keep12_every_turn")]
+            AKV(reference_policy(keep), name="akv_keep12_every_turn"),
+            AKV(lambda counter: live_budget_policy(live_budget, counter), name="akv_live_budget")]

@@ -225,7 +225,7 @@ def summarize(samples: Sequence[Sample], wall_s: float) -> dict[str, Any]:
     return {
         "requests": len(ok), "failed": len(samples) - len(ok), "wall_s": wall_s,
         "output_tokens": output, "prompt_tokens": prompt, "cached_tokens": cached, "repos_tokens": repos,
-        "drop_skipped_tokens": skipped,
+        "drop_skipped_tokens": skipped, "longest_prompt_tokens": max((s.prompt_tokens or 0 for s in ok), default=0),
         "output_tok_per_s": output / wall_s if wall_s else None,
         "input_tok_per_s": prompt / wall_s if wall_s else None,
         "cached_fraction": cached / prompt if prompt else None,

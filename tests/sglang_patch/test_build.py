@@ -28,6 +28,7 @@ PATCHED_FILES = {
     "sglang/srt/managers/scheduler.py",
     "sglang/srt/managers/scheduler_components/output_streamer.py",
     "sglang/srt/managers/tokenizer_manager.py",
+    "sglang/srt/mem_cache/kv_cache_configurator.py",
     "sglang/srt/mem_cache/registry.py",
     "sglang/srt/model_executor/forward_batch_info.py",
     "sglang/srt/model_executor/model_runner.py",

@@ -23,7 +23,8 @@ server is not started), AKV_REPLAY_THRESHOLDS
 suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (470: no run that would
 end later starts), AKV_REPLAY_SERVERS (together | in-turn), AKV_REPLAY_MEM_FRACTION,
 AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (flashinfer) and AKV_REPLAY_AKV_BACKEND (default: the same),
-AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PRIME (1: measure from the second request of each
+AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_TURNS (0: the preset's), AKV_REPLAY_LIVE_BUDGET (96000: for
+akv_live_budget), AKV_REPLAY_MAX_RUNNING (0: SGLang's), AKV_REPLAY_PRIME (1: measure from the second request of each
 conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
 socket operation), AKV_REPLAY_OUT (default $OUT).
 """
@@ -90,6 +91,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "more than 12 tool results, so trim and AKV edit")
     p.add_argument("--max-turns", type=int, default=int(env("AKV_REPLAY_MAX_TURNS", "60")) or None,
                    help="cut each trajectory to its first N calls (0: whole)")
+    p.add_argument("--turns", type=int, default=int(env("AKV_REPLAY_TURNS", "0")) or None,
+                   help="synthetic trajectories of exactly N turns (0: the preset's range); with akv_live_budget "
+                        "they carry the text past the context length")
+    p.add_argument("--live-budget", type=int, default=int(env("AKV_REPLAY_LIVE_BUDGET", "96000")),
+                   help="akv_live_budget keeps the live length under this many tokens")
+    p.add_argument("--max-running", type=int, default=int(env("AKV_REPLAY_MAX_RUNNING", "0")) or None,
+                   help="--max-running-requests of each server (0: SGLang's; long texts widen every req_to_token "
+                        "row, see akv.system.adapter.lengths)")
     p.add_argument("--stock-methods", default=env("AKV_REPLAY_STOCK_METHODS", "standard,trim,text_engineering,full"),
                    help="text methods on stock SGLang, in the order they run (most wanted first: a deadline cuts "
                         "the last)")
@@ -213,6 +222,8 @@ def servers(args: argparse.Namespace) -> list[Server]:
         flags = [*flags, "--cuda-graph-backend-prefill", "disabled"]
     if args.pool_tokens and not args.dry_run:
         flags = [*flags, "--max-total-tokens", str(args.pool_tokens)]
+    if args.max_running:
+        flags = [*flags, "--max-running-requests", str(args.max_running)]
     if args.dry_run and importlib.util.find_spec("prometheus_client") is not None:
         flags = [*flags, "--enable-metrics"]  # SGLang's /metrics needs it; the H200 image has it
     cpu_site = [str(ROOT / "tests" / "sglang_cpu" / "site")] if args.dry_run else []
@@ -241,7 +252,10 @@ def replay_args(args: argparse.Namespace, url: str) -> argparse.Namespace:
     standard, text = (int(x) for x in args.thresholds.split(","))
     argv = ["--url", url, "--model-path", str(args.model), "--preset", args.preset, "--count", str(args.count),
             "--start-turn", str(args.start_turn), "--standard-threshold", str(standard), "--text-threshold", str(text),
-            "--keep", str(args.keep), "--timeout", str(args.timeout), "--out", str(args.out / "unused.json"), "-v"]
+            "--keep", str(args.keep), "--timeout", str(args.timeout), "--out", str(args.out / "unused.json"), "-v",
+            "--live-budget", str(args.live_budget)]
+    if args.turns:
+        argv += ["--turns", str(args.turns)]
     if args.max_turns:
         argv += ["--max-turns", str(args.max_turns)]
     if args.max_output_tokens:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from akv.system.adapter import lengths
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
 from akv.system.cache.occurrence import cold_plan
@@ -16,13 +17,15 @@ ADMISSION_SLACK = 2
 births + new tokens + one page must stay strictly below the pool)."""
 
 
-def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | None:
+def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_len: int | None = None) -> str | None:
     """Give ``req`` its AKV state from the tokenized request; an error message (HTTP 400) when the
-    program is malformed, the server cannot execute it, or its KV could never fit the pool (one
+    program is malformed, the server cannot execute it, its live length does not fit ``context_len``
+    (:func:`akv.system.adapter.lengths.request_problem`) or its KV could never fit the pool (one
     that does not fit now waits in SGLang's queue, its copy slots counted by :func:`extra_budget`).
     Like SGLang's ``init_req_max_new_tokens`` for a plain prompt, ``max_new_tokens`` is clipped so that
-    admission's count on an idle server (births, copy slots, new tokens and one page) fits the pool:
-    a request that never fits would wait forever, and every request queued behind it."""
+    admission's count on an idle server (births, copy slots, new tokens and one page) fits the pool,
+    and so that the text with its new tokens fits a ``req_to_token`` row: a request that never fits
+    would wait forever, and every request queued behind it."""
     data = getattr(recv_req, "context_program", None)
     if data is None:
         return None
@@ -38,6 +41,12 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
     if program.token_ids.tolist() != list(req.origin_input_ids):
         return "context_program: its tokens differ from the request's input_ids"
     wanted = req.sampling_params.max_new_tokens
+    if context_len is not None:
+        problem = lengths.request_problem(program, None, context_len)
+        if problem is not None:
+            return f"messages: {problem}"
+        columns = lengths.text_limit(context_len) - program.n_tokens
+        wanted = columns if wanted is None else min(wanted, columns)
     bound = program.n_tokens + sum(int(t.tokens.size) for t in program.transitions)  # births + copies, at most
     fits = wanted is not None and bound + wanted + ADMISSION_SLACK <= pool_size
     needed = bound if fits else cold_plan(program).n_slots
@@ -45,8 +54,7 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
     if room < 0:
         return (f"messages: the prompt needs {needed} KV slots with its re-rotated copies (and {ADMISSION_SLACK} "
                 f"for admission), more than the {pool_size} this server holds")
-    if wanted is None or wanted > room:
-        req.sampling_params.max_new_tokens = room
+    req.sampling_params.max_new_tokens = room if wanted is None else min(wanted, room)
     req.akv = AkvRequest(program, req.extra_key or "")
     return None
 

@@ -19,7 +19,6 @@ from akv.system.context.request import compile_parsed, render_inputs
 from akv.system.context.rules import RuleError, RuleShapeError
 from akv.system.context.spans import SpanError
 from akv.system.context.thinking import retain_thinking
-from akv.system.context.wire import encode_program
 
 REQUIRED_PAGE_SIZE = 1
 ATTENTION_BACKENDS = ("triton", "flashinfer")
@@ -117,11 +116,6 @@ def prepare_context_request(serving: Any, request: Any, is_multimodal: bool) -> 
         template = _thinking_template(request, serving.tokenizer_manager.tokenizer)
     request.drop_rule = PreparedRules(rules, template)
     return rules
-
-
-def encode_context_program(program: ContextProgram | None) -> bytes | None:
-    """The program's wire form for the scheduler (None for a plain request)."""
-    return None if program is None else encode_program(program)
 
 
 def compile_context_program(

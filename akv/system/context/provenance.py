@@ -222,10 +222,7 @@ def token_provenance(owned: OwnedText, tokenizer: Any, prompt_ids: Sequence[int]
         ids = np.fromiter(prompt_ids, dtype=np.int64, count=len(prompt_ids))
         offsets = spelled_offsets(backend, ids, owned.text)
     if offsets is None:
-        encoding = backend.encode(owned.text, add_special_tokens=False)
-        ids = np.asarray(encoding.ids, dtype=np.int64)
-        pairs = encoding.offsets
-        offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
+        ids, offsets = _encode(backend, owned.text)
     owners, boundary = _token_owners(offsets, owned)
     for arr in (ids, offsets, owners, boundary):
         arr.flags.writeable = False
@@ -360,6 +357,69 @@ def _target_names(target: nodes.Node) -> tuple[str, ...]:
     if isinstance(target, nodes.Name):
         return (target.name,)
     return tuple(n.name for n in target.find_all(nodes.Name))
+
+
+PIECE_CHARS = 1 << 13
+"""Texts longer than this many characters are encoded in pieces of about this size (:func:`_encode`)."""
+
+
+def _encode(backend: Any, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and character offsets of ``text`` encoded without added special tokens. A long text is
+    encoded in pieces that each start at a special token, where the tokenizer splits anyway (added
+    tokens are matched before normalisation and pre-tokenisation), when its normaliser and
+    pre-tokeniser cannot tell a piece's start from the text's: the same ids, in time linear in the
+    text (one encode of a very long string costs more per token)."""
+    starts = _piece_starts(backend, text) if len(text) > PIECE_CHARS else []
+    bounds = [0, *starts, len(text)]
+    encodings = [backend.encode(text[a:b], add_special_tokens=False) for a, b in zip(bounds, bounds[1:])]
+    ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int64)
+    offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets) for e in encodings), dtype=np.int64)
+    offsets = offsets.reshape(-1, 2)
+    sizes = [len(e.ids) for e in encodings]
+    offsets += np.repeat(np.asarray(bounds[:-1], dtype=np.int64), sizes)[:, None]
+    return ids, offsets
+
+
+def _piece_starts(backend: Any, text: str) -> list[int]:
+    """Where the pieces of ``text`` start: the first special token (one no whitespace stripping
+    touches) after every ``PIECE_CHARS`` characters; none for a tokenizer that treats a piece's
+    start differently (a prefix space, a Metaspace, a normaliser other than NFC)."""
+    pattern = _splitting_tokens(backend)
+    if pattern is None:
+        return []
+    starts: list[int] = []
+    at = PIECE_CHARS
+    while at < len(text):
+        found = pattern.search(text, at)
+        if found is None:
+            break
+        starts.append(found.start())
+        at = found.start() + PIECE_CHARS
+    return starts
+
+
+@lru_cache(maxsize=8)
+def _splitting_tokens(backend: Any) -> re.Pattern[str] | None:
+    config = json.loads(backend.to_str())
+    if (config.get("normalizer") or {}).get("type") not in (None, "NFC"):
+        return None
+    if not _start_blind(config.get("pre_tokenizer")):
+        return None
+    tokens = [t["content"] for t in config.get("added_tokens", ())
+              if t.get("special") and not t.get("lstrip") and not t.get("rstrip") and t.get("content")]
+    return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))) if tokens else None
+
+
+def _start_blind(pre_tokenizer: Any) -> bool:
+    """True when the pre-tokeniser treats the start of a text like any other point (no prefix space)."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_start_blind(p) for p in pre_tokenizer.get("pretokenizers", ()))
+    if kind == "ByteLevel":
+        return not pre_tokenizer.get("add_prefix_space")
+    return kind in ("Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit")
 
 
 def _strip_markers(raw: str, nonce: str, n_messages: int) -> tuple[str, np.ndarray, np.ndarray]:

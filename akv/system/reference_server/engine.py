@@ -37,6 +37,7 @@ from akv.agent.templating import template_content_format
 from akv.system.cache import ActiveRequest, CacheCore, CacheFull, SlotPool
 from akv.system.cache.occurrence import cold_plan
 from akv.system.context.compiler import ProgramError
+from akv.system.context.limits import live_length, live_length_problem
 from akv.system.context.program import ContextProgram
 from akv.system.context.provenance import ChatTemplate, chat_template, token_provenance
 from akv.system.context.request import compile_rules, template_for
@@ -153,11 +154,10 @@ class Engine:
         except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:  # input the template cannot take
             raise RequestError("messages", f"{len(messages)} messages",
                                f"the chat template cannot render them: {exc}") from exc
-        room = self.max_context - program.next_position
-        if room < 1:
-            raise RequestError("messages", program.n_prompt, f"the prompt needs position {program.next_position}, "
-                               f"beyond this model's maximum context length of {self.max_context} tokens")
-        max_new_tokens = min(room, request.sampling.max_tokens)
+        problem = live_length_problem(program, None, self.max_context)
+        if problem is not None:
+            raise RequestError("messages", live_length(program), problem)
+        max_new_tokens = min(self.max_context - live_length(program), request.sampling.max_tokens)
         prompt_slots = cold_plan(program).n_slots
         if prompt_slots > self.pool.size:
             raise RequestError("messages", program.n_prompt, f"the prompt needs {prompt_slots} KV slots, more than "
