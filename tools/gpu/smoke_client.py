@@ -103,7 +103,9 @@ def run_checks(base: str, timeout: float) -> dict[str, dict[str, Any]]:
     def server_info() -> dict[str, Any]:
         info = json.loads(urllib.request.urlopen(base + "/server_info", timeout=timeout).read())
         seen = {key: info.get(key) for key in ("version", "page_size", "attention_backend")}
-        assert seen == {"version": "0.5.16+akv", "page_size": 1, "attention_backend": "triton"}, seen
+        # the launcher's default backend: flashinfer on a CUDA device with FlashInfer, triton elsewhere
+        assert seen["version"] == "0.5.16+akv" and seen["page_size"] == 1, seen
+        assert seen["attention_backend"] in ("triton", "flashinfer"), seen
         return seen
 
     def plain_chat() -> dict[str, Any]:
