@@ -13,6 +13,7 @@ from akv.agent.errors import (
                               HistoryError,
                               HTTPStatusError,
                               IncompleteStreamError,
+                              MissingExtraError,
                               PayloadError,
                               RedirectError,
                               RuleError,
@@ -38,7 +39,7 @@ from akv.agent.triggers import ModelTrigger, TokenTrigger, TurnTrigger
 __all__ = [
     "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
     "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
-    "HistoryError", "HTTPStatusError", "IncompleteStreamError", "ModelReposition", "ModelRequest",
+    "HistoryError", "HTTPStatusError", "IncompleteStreamError", "MissingExtraError", "ModelReposition", "ModelRequest",
     "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "ResultSelection", "RuleError",
     "StreamError",
     "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
