@@ -12,7 +12,6 @@ the tree changes) and ``commit`` (at lock time).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from akv import cli
 from akv.system.cache.core import CacheCore
 from akv.system.cache.keys import program_key
 from akv.system.cache.occurrence import plan_occurrences
@@ -82,14 +82,14 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(None, __doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=1000)
     parser.add_argument("--messages", type=int, default=12)
     parser.add_argument("--mean-len", type=int, default=100)
     parser.add_argument("--system-len", type=int, default=200)
     parser.add_argument("--long-tokens", type=int, default=32_768)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", type=cli.new_file, default=None, help="also write the result to this new file")
     args = parser.parse_args()
 
     load = os.getloadavg()[0]
@@ -177,8 +177,8 @@ def main() -> None:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+    if args.out is not None:
+        with open(args.out, "x", encoding="utf-8") as f:
             f.write(text + "\n")
 
 

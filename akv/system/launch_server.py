@@ -202,8 +202,8 @@ def usage(version: str | None) -> str:
     sglang = ("SGLang's flags follow (python -m sglang.launch_server --help)." if version is not None else
               f"SGLang is not installed, so its flags are not listed; install with: {INSTALL_COMMAND}")
     return (f"usage: akv-server [SGLang flags] (or python -m akv.system.launch_server)\n\n{__doc__.strip()}\n\n"
-            f"Added unless given: {added}, {' '.join(AKV_SWITCHES)}, --attention-backend "
-            f"(flashinfer on CUDA with FlashInfer installed, else triton; on this machine "
+            f"Added unless given (default: {added}, {' '.join(AKV_SWITCHES)}, --attention-backend "
+            f"flashinfer on CUDA with FlashInfer installed, else triton; on this machine "
             f"{default_attention_backend([], Machine.detect())}).\n{sglang}\n")
 
 
