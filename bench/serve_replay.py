@@ -228,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                 write_results(args.out, result)
                 print(progress_line(row), flush=True)
     print(markdown(result["rows"]))
-    return 0
+    failed = [row for row in result["rows"] if row["failed"]]
+    for row in failed:
+        print(f"{row['method']} c={row['concurrency']}: {row['failed']} requests failed; first: "
+              f"{row['first_errors'][0]}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

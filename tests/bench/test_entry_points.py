@@ -107,6 +107,27 @@ def test_a_refused_request_prints_the_answer_and_the_request_and_exits_nonzero(r
         assert "request body: " in printed and '"messages"' in printed
 
 
+@pytest.fixture()
+def refusing_url():
+    """A server that lists one model and answers every other request with a 400 and a body."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_replay_whose_requests_are_refused_prints_them_and_exits_nonzero(refusing_url: str, tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench/serve_replay.py"), "--url", refusing_url, "--model-path",
+                           str(tiny_model_dir), "--count", "1", "--max-turns", "2", "--concurrency", "1",
+                           "--methods", "full", "--out", str(tmp_path / "replay.json")],
+                          env=bare_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "akv-test-answer: reposition[1] is out of order" in done.stderr and "request body: " in done.stderr
+    assert '"messages"' in done.stderr
+
+
 def test_a_result_file_is_never_replaced(tmp_path: Path) -> None:
     existing = tmp_path / "result.json"
     existing.write_text("{}")
