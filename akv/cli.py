@@ -52,9 +52,9 @@ def new_file(text: str) -> Path:
     return path
 
 
-class RequestFailed(RuntimeError):
+class RequestFailed(OSError):
     """An HTTP request failed; the message holds the status, the server's answer and the request sent
-    (each truncated)."""
+    (each truncated). An OSError, as urllib's own errors are, so handlers of those still catch it."""
 
 
 def open_request(url: str, body: Any = None, timeout: float = 600.0, method: str | None = None) -> Any:

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import server_process
-from transformers import AutoTokenizer
 
 from akv import cli
 from akv.agent import CachePolicy, CacheOperationHistory, ResultSelection, TurnReposition, TurnTrigger
@@ -179,6 +178,8 @@ def main() -> int:
                         help="py-spy binary: record the patched server's processes during the TTFT trials")
     args = parser.parse_args()
     server_process.unpack_stock_site(args.stock_site)
+    from transformers import AutoTokenizer  # here: --help needs no transformers
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     patched_env = {**base_env, "PYTHONPATH": os.environ["PYTHONPATH"]}

@@ -31,7 +31,6 @@ from akv_8b_check import Server
 from akv_served_check import RATIO, compare, post, requests
 
 from akv import cli
-from akv.system.reference_server import Engine, ReferenceServer
 
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "triton-eager": (["--attention-backend", "triton", "--disable-cuda-graph", "--disable-overlap-schedule"], {}),
@@ -140,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"command": "tools/gpu/akv_config_matrix.py (tools/gpu/run.sh AKV_BENCH)",
                               "server_args": COMMON, "configs": {n: CONFIGS[n][0] + [f"{k}={v}" for k, v in CONFIGS[n][1].items()]
                                                                  for n in chosen}}
+    from akv.system.reference_server import Engine, ReferenceServer  # here: --help needs no torch
+
     reference_server = ReferenceServer(Engine(model, name="default", kv_slots=32768))
     reference_server.start_in_background()
     try:

@@ -41,7 +41,6 @@ from typing import Any
 from akv import cli
 from akv_8b_check import TOOLS, Conversation, Server
 from server_process import unpack_stock_site
-from transformers import AutoTokenizer
 
 FLOOR_US_PER_1K = 30.7
 GOAL_RATIO = 1.10
@@ -204,6 +203,8 @@ def main() -> int:
                         help="plain-burst rounds after the first live length (with --live '': the only measurement)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
+    from transformers import AutoTokenizer  # here: --help needs no transformers
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     batches = [int(b) for b in args.batches.split()]
     lives = [int(x) for x in args.live.split()]

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from akv import cli
-from akv.system.reference_server import Engine, ReferenceServer
 
 RATIO = 1.5
 TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
@@ -155,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     url, model, out_dir = args.base_url, Path(args.model), args.out_dir
     if (out_dir / "akv_served_check.json").exists():
         parser.error(f"{out_dir / 'akv_served_check.json'} exists; results are never replaced")
+    from akv.system.reference_server import Engine, ReferenceServer  # here: --help needs no torch
+
     reference = ReferenceServer(Engine(model, name="default", kv_slots=16384))
     reference.start_in_background()
     started = time.time()
