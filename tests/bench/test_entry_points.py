@@ -135,3 +135,28 @@ def test_a_result_file_is_never_replaced(tmp_path: Path) -> None:
                           env=bare_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "exists; results are never replaced" in done.stderr
     assert existing.read_text() == "{}"
+
+
+def test_the_console_scripts_name_callables() -> None:
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert set(scripts) == {"akv-server", "akv-reference-server", "akv-demo"}
+    sys.path.insert(0, str(ROOT / "examples"))  # where the packaging finds akv_demo
+    try:
+        for target in scripts.values():
+            module, _, name = target.partition(":")
+            assert callable(getattr(importlib.import_module(module), name)), target
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
+@pytest.mark.parametrize("entry", ["-m akv.system.launch_server", "-m akv.system.reference_server", "examples/demo.py"])
+def test_version(entry: str) -> None:
+    from akv import __version__
+
+    argv = entry.split() if entry.startswith("-m ") else [str(ROOT / entry)]
+    done = subprocess.run([sys.executable, *argv, "--version"], env=bare_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith(f"akv {__version__}"), done.stdout + done.stderr
