@@ -14,7 +14,6 @@ points. The load average is recorded because the cold medians follow it on a sha
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from akv import cli  # noqa: E402
 from akv.agent import (  # noqa: E402
     ApproximateTokenCounter,
     CachePolicy,
@@ -103,11 +103,12 @@ def timed(fn, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(None, __doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[50, 500, 5000])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--result-chars", type=int, default=1000)
-    parser.add_argument("--out", default="bench/results/agent_process.json")
+    parser.add_argument("--out", type=cli.new_file, default=None,
+                        help="also write the result to this new file (e.g. bench/results/agent_process-DATE.json)")
     args = parser.parse_args()
     load_before = round(os.getloadavg()[0], 2)
     rows = []
@@ -149,8 +150,9 @@ def main() -> None:
         "result_chars": args.result_chars, "goal": "process() well under 5 ms at 500 messages; cold at most 2.5 ms (min) there",
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

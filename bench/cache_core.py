@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from akv import cli
 from akv.system.cache.core import CacheCore
 from akv.system.cache.keys import program_key
 from akv.system.cache.occurrence import plan_occurrences
@@ -168,7 +169,7 @@ def long_context(core: CacheCore, rng: np.random.Generator, system: np.ndarray,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(None, __doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=1000)
     parser.add_argument("--messages", type=int, default=12)
     parser.add_argument("--mean-len", type=int, default=100)
@@ -178,7 +179,7 @@ def main() -> None:
     parser.add_argument("--long-only", action="store_true")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--repeats", type=int, default=5, help="warm long-context admissions timed")
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", type=cli.new_file, default=None, help="also write the result to this new file")
     args = parser.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -202,8 +203,8 @@ def main() -> None:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+    if args.out is not None:
+        with open(args.out, "x", encoding="utf-8") as f:
             f.write(text + "\n")
 
 

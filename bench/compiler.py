@@ -10,7 +10,6 @@ half the prompt, so its cost is the size of the transitions it must produce; few
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -25,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from akv import cli  # noqa: E402
 from akv.system.context.compiler import append_generated, compile_program  # noqa: E402
 from akv.system.context.provenance import ChatTemplate  # noqa: E402
 from akv.system.context.rules import parse_rules  # noqa: E402
@@ -132,13 +132,13 @@ def run(n_tokens: int, n_messages: int, dense_messages: int, repeats: int) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = cli.parser(None, __doc__)
     parser.add_argument("--tokens", type=int, default=200_000)
     parser.add_argument("--messages", type=int, default=4_000)
     parser.add_argument("--dense-messages", type=int, default=200)
     parser.add_argument("--calls", type=int, default=1_000)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=cli.new_file)
     args = parser.parse_args()
     report = {
         "command": "python " + " ".join(sys.argv),

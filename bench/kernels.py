@@ -18,7 +18,6 @@ to check the script itself; its numbers mean nothing.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib
 import json
@@ -40,6 +39,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from akv import cli
 from akv.system.kernels.kv_indices import KeepMask, decode_kv_indices
 from akv.system.kernels.layer_buffers import LayerBuffers
 from akv.system.kernels.rerotate import RerotateLaunch, rerotate_kv
@@ -220,8 +220,9 @@ def bench_index_build(batch: int, live: int, device: torch.device) -> dict[str, 
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="JSON file to write")
+    parser = cli.parser(None, __doc__.splitlines()[0])
+    parser.add_argument("--out", type=cli.new_file, help="a new JSON file (default: $OUT/kernels.json where $OUT is set, "
+                                                          "else bench/results/kernels-h200.json)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script (any device)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -229,6 +230,8 @@ def main(argv: list[str]) -> None:
         parser.error("needs a CUDA GPU (or --smoke)")
     out = args.out or (Path(os.environ["OUT"]) / "kernels.json" if os.environ.get("OUT")
                        else Path(__file__).resolve().parent / "results" / "kernels-h200.json")
+    if out.exists():
+        parser.error(f"{out} exists; results are never replaced: give a new --out")
     started = time.perf_counter()
     result: dict[str, Any] = {
         "command": " ".join(["python", "bench/kernels.py", *argv]),

@@ -12,9 +12,11 @@ slot per request, the ``req_to_token`` write and, for AKV, ``for_decode``'s ``ho
 goes first alternates too), each on a tree that holds its earlier bursts; the first burst of each
 repeat is untimed, and the prefixes both match are checked equal.
 
-    python -m akv.system._build --out /tmp/akv-dist
-    python -m pip install --no-deps --target /tmp/akv-site /tmp/akv-dist/sglang-0.5.16+akv-*.whl
-    PYTHONPATH=/tmp/akv-site python bench/plain_backend.py [--bursts 4] [--repeats 5] [--out FILE]
+    python -m akv.system._build --out build/akv-dist
+    python -m pip install --no-deps --target build/akv-site build/akv-dist/sglang-0.5.16+akv-*.whl
+    PYTHONPATH=build/akv-site python bench/plain_backend.py [--bursts 4] [--repeats 5] [--out NEW_FILE]
+
+(``build/`` of the checkout, which git ignores; ``--help`` works without SGLang.)
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "sglang_patch"))
+
+from akv import cli  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.parser(None, __doc__.split("\n\n")[0])
+    p.add_argument("--bursts", type=int, default=4, help="bursts per repeat (the first one, on empty trees, untimed)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=cli.new_file, default=None, help="also write the result to this new file")
+    return p
+
+
+if __name__ == "__main__":
+    ARGS = build_parser().parse_args()  # before SGLang is imported: --help needs none of it
 
 import cpu_shim  # noqa: E402
 
@@ -156,12 +172,7 @@ def _server_args() -> ServerArgs:
     return args
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--bursts", type=int, default=4, help="bursts per repeat (the first one, on empty trees, untimed)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
+def main(args: argparse.Namespace) -> int:
     _server_args()
     timed: dict[str, list[dict[str, float]]] = {"stock": [], "akv": []}
     for repeat in range(args.repeats):

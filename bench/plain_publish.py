@@ -9,14 +9,13 @@ finishes, on a CacheCore whose tree already holds earlier bursts. The work the H
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
+from akv import cli
 from akv.system.cache import plain
 from akv.system.cache.core import CacheCore
 from akv.system.cache.pool import SlotPool
@@ -55,10 +54,10 @@ def burst(core: CacheCore, seed: int) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--bursts", type=int, default=4, help="bursts per repeat (the first one, on an empty tree, untimed)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=cli.new_file, default=None)
     args = p.parse_args()
     per_burst = []
     for repeat in range(args.repeats):

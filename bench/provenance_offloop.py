@@ -22,7 +22,6 @@ Run: ``python bench/provenance_offloop.py --out bench/results/provenance_offloop
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from compiler import _agent_fields, _tool_conversation  # noqa: E402
 
+from akv import cli  # noqa: E402
 from akv.system import _build  # noqa: E402
 from akv.system.models.tiny import make_tiny_model  # noqa: E402
 
@@ -196,11 +196,11 @@ def run_http(model: Path, work: Path, calls: int, alone_repeats: int) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = cli.parser(None, __doc__.split("\n", 1)[0])
     parser.add_argument("--calls", type=int, default=1600, help="tool calls (2 messages each, plus 2)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-http", action="store_true")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=cli.new_file)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="akv-offloop-") as tmp:
         work = Path(tmp)

@@ -15,7 +15,6 @@ last round (the one that samples its first token), and the tokens of each of its
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from akv import cli  # noqa: E402
 from akv.system import _build  # noqa: E402
 from akv.system.cache.core import CacheCore  # noqa: E402
 from akv.system.cache.pool import SlotPool  # noqa: E402
@@ -87,9 +87,9 @@ def measure(site: Path, model: Path, k: int, last_anchor: bool, seed: int) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = cli.parser(None, __doc__.split("\n", 1)[0])
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=cli.new_file)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="akv-segments-") as tmp:
         work = Path(tmp)

@@ -50,6 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from akv import cli  # noqa: E402
 from akv.agent import ApproximateTokenCounter  # noqa: E402
 from bench.agent_replay import loopback  # noqa: E402
 from bench.agent_replay.chat import Filler, realize  # noqa: E402
@@ -65,7 +66,7 @@ COLUMNS = (("method", "method"), ("concurrency", "conc."), ("requests", "request
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--url", help="server base URL (http://host:port)")
     p.add_argument("--loopback", action="store_true", help="start the CPU loopback stand-in and replay against it")
     p.add_argument("--model", default="default", help="model name sent in each request")
@@ -104,7 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prime", action="store_true", help="send each conversation's first request unmeasured and "
                                                         "start the run once all are back (steady state)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each finished conversation")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=cli.new_file, required=True)
     args = p.parse_args(argv)
     if bool(args.url) == args.loopback:
         p.error("give exactly one of --url and --loopback")
@@ -233,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
                 write_results(args.out, result)
                 print(progress_line(row), flush=True)
     print(markdown(result["rows"]))
-    return 0
+    failed = [row for row in result["rows"] if row["failed"]]
+    for row in failed:
+        print(f"{row['method']} c={row['concurrency']}: {row['failed']} requests failed; first: "
+              f"{row['first_errors'][0]}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from akv import cli  # noqa: E402
 from akv.agent import ApproximateTokenCounter  # noqa: E402
 from bench.agent_replay.methods import AKV, FullContext, Summarize, Trim, reference_policy  # noqa: E402
 from bench.agent_replay.plots import line_panels, stacked_bars  # noqa: E402
@@ -34,7 +35,7 @@ BASELINE = "standard"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--trajectories", type=Path, help="JSONL of per-message token counts")
     p.add_argument("--demo-run", type=Path, action="append", help="a demo run folder (runs/NAME); repeatable")
     p.add_argument("--tokenizer", type=Path, help="model folder whose chat template counts demo-run messages "
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--price-cached", type=float, default=PriceTable.cached_input)
     p.add_argument("--price-output", type=float, default=PriceTable.output)
     p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=cli.new_file, required=True)
     return p.parse_args(argv)
 
 

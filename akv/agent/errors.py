@@ -32,6 +32,10 @@ class TokenCountError(AKVError):
     """Counting tokens with a chat template failed or gave an inconsistent layout."""
 
 
+class MissingExtraError(AKVError, ImportError):
+    """A feature needs an optional extra that is not installed; the message says which and how."""
+
+
 class BackendError(AKVError):
     """A chat request failed; `status` is the HTTP status (None when there was none) and `body` the
     error text the server sent (empty when there was none)."""

@@ -1,6 +1,7 @@
 """`ChatTemplateTokenCounter`: exact per-message token spans from the model's own chat template.
 
-Needs the `akv[tokenization]` extra (transformers + jinja2), imported only when a counter is built.
+Needs the `tokenization` extra (transformers, jinja2, tokenizers), imported only when a counter is
+built; without it building one raises `MissingExtraError` saying how to install it.
 Ownership follows DESIGN.md §1: every output of the template's message loop belongs to the message
 being rendered (so role markers and other scaffolding belong to the message they frame); text before
 the first message's output belongs to message 0, other unowned text to the message before it; the
@@ -15,11 +16,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from akv.agent.counting import TokenLayout
-from akv.agent.errors import ConfigError, TokenCountError
+from akv.agent.errors import ConfigError, MissingExtraError, TokenCountError
 from akv.agent.payload import API_STYLES
 from akv.agent.templating import sglang_template_inputs, template_content_format
 
 _NO_INSTRUMENT = ("Macro", "CallBlock", "FilterBlock", "AssignBlock")
+INSTALL_EXTRA = "python -m pip install -e '.[tokenization]' (from the AKV checkout)"
+
+
+def _chat_template_utils() -> Any:
+    """transformers' chat-template module; MissingExtraError when the tokenization extra is absent."""
+    try:
+        from jinja2 import nodes  # noqa: F401
+        from transformers.utils import chat_template_utils
+    except ImportError as exc:
+        raise MissingExtraError(f"ChatTemplateTokenCounter needs the 'tokenization' extra (transformers, jinja2, "
+                                f"tokenizers; {exc.name or exc} is missing): {INSTALL_EXTRA}") from exc
+    return chat_template_utils
 
 
 @dataclass(frozen=True)
@@ -43,12 +56,7 @@ class ChatTemplateTokenCounter:
     under `extra_body` for the OpenAI SDK), and the server behind either is SGLang."""
 
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
-        try:
-            from jinja2 import nodes  # noqa: F401
-            from transformers.utils import chat_template_utils
-        except ImportError as exc:
-            raise ImportError("ChatTemplateTokenCounter needs the tokenization extra: "
-                              "pip install 'akv[tokenization]'") from exc
+        chat_template_utils = _chat_template_utils()
         template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         if not isinstance(template, str) or not template:
             raise ConfigError("ChatTemplateTokenCounter: the tokenizer has no chat template; pass chat_template=")
@@ -58,9 +66,9 @@ class ChatTemplateTokenCounter:
         self.chat_template = template
         compile_template = getattr(chat_template_utils, "_compile_jinja_template", None)
         if compile_template is None:
-            raise ImportError("ChatTemplateTokenCounter needs transformers' chat-template environment "
-                              "(transformers.utils.chat_template_utils._compile_jinja_template), which this "
-                              "transformers version does not have")
+            raise MissingExtraError("ChatTemplateTokenCounter needs transformers' chat-template environment "
+                                    "(transformers.utils.chat_template_utils._compile_jinja_template), which this "
+                                    f"transformers version does not have: {INSTALL_EXTRA}")
         environment = compile_template(template).environment
         self.content_format = template_content_format(template, environment.parse(template))
         self._instrumented = environment.from_string(_instrument(environment.parse(template)))
@@ -70,6 +78,7 @@ class ChatTemplateTokenCounter:
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> ChatTemplateTokenCounter:
         """Load the tokenizer with transformers' AutoTokenizer (a local path needs no network)."""
+        _chat_template_utils()
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(name_or_path, **kwargs))

@@ -11,7 +11,6 @@ Usage: ``python -m akv.system._build --out DIR [--python-tag cp311|cp312] [--ove
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import csv
@@ -28,6 +27,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from akv import cli
 
 SGLANG_VERSION = "0.5.16"
 AKV_LOCAL = "akv"
@@ -516,7 +517,7 @@ def install(wheel: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m akv.system._build", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m akv.system._build", __doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for the patched wheel")
     parser.add_argument("--python-tag", choices=sorted(PINNED_SHA256), help="default: this interpreter's tag")
     parser.add_argument("--overlay", type=Path, help="folder of extra files in wheel layout (sglang/...)")

@@ -1,32 +1,38 @@
 """Start the patched SGLang server with the settings AKV's first configuration needs.
 
 ``python -m akv.system.launch_server [SGLang flags]`` checks that the installed SGLang is the AKV
-build, adds ``--page-size 1``, ``--attention-backend triton``, ``--radix-cache-backend akv`` and
-``--disable-hybrid-swa-memory`` unless given (``--attention-backend flashinfer`` is the other backend
-that executes context requests), refuses flags that contradict them (and a disabled radix cache or
-chunked prefill), and hands every flag to SGLang's own launcher.
+build, adds ``--page-size 1``, ``--attention-backend``, ``--radix-cache-backend akv`` and
+``--disable-hybrid-swa-memory`` unless given (the attention backend is ``flashinfer`` on a CUDA
+device with FlashInfer installed and a model without sliding-window layers, ``triton`` elsewhere),
+refuses flags that contradict them (and a disabled radix cache or chunked prefill), and hands every
+flag to SGLang's own launcher.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from akv import __version__ as akv_version
 from akv.system.adapter.serving import ATTENTION_BACKENDS, REQUIRED_PAGE_SIZE, REQUIRED_RADIX_CACHE_BACKEND
 
 PATCHED_SUFFIX = "+akv"
 BUILD_COMMAND = "python -m akv.system._build --out dist --install"
+INSTALL_COMMAND = (f'python -m pip install "sglang==0.5.16" -e ".[system]" (from the AKV checkout), '
+                   f"then {BUILD_COMMAND}")
 
 AKV_DEFAULTS: dict[str, str] = {
     "--page-size": str(REQUIRED_PAGE_SIZE),
     "--attention-backend": ATTENTION_BACKENDS[0],
     "--radix-cache-backend": REQUIRED_RADIX_CACHE_BACKEND,
 }
-"""Flags added when absent."""
+"""Flags added when absent (``--attention-backend``: see :func:`default_attention_backend`)."""
 
 ALLOWED: dict[str, tuple[str, ...]] = {
     "--page-size": (str(REQUIRED_PAGE_SIZE),),
@@ -46,6 +52,58 @@ _SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag
 
 class LaunchError(RuntimeError):
     """The server cannot be started as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What decides the default attention backend: a CUDA device, and FlashInfer installed."""
+
+    cuda: bool
+    flashinfer: bool
+
+    @classmethod
+    def detect(cls) -> Machine:
+        """This machine (imports torch, as SGLang's launcher does anyway)."""
+        flashinfer = importlib.util.find_spec("flashinfer") is not None
+        try:
+            import torch
+        except ImportError:
+            return cls(cuda=False, flashinfer=flashinfer)
+        return cls(cuda=torch.cuda.is_available(), flashinfer=flashinfer)
+
+
+def default_attention_backend(argv: list[str], machine: Machine) -> str:
+    """``flashinfer`` (the faster backend, with CUDA graphs for context decode) on a CUDA device with
+    FlashInfer installed, unless ``--device`` names another device or the local model has
+    sliding-window layers (AKV's window lists are built for triton); ``triton`` otherwise."""
+    device = _flag_value(argv, "--device")
+    if device is not None and device != "cuda" or not (machine.cuda and machine.flashinfer):
+        return "triton"
+    return "triton" if _has_sliding_layers(_flag_value(argv, "--model-path")) else "flashinfer"
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The last value given for ``flag`` (``--flag value`` or ``--flag=value``)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+    return value
+
+
+def _has_sliding_layers(model_path: str | None) -> bool:
+    """Whether the local model's ``config.json`` declares sliding-window layers (a hub name or a
+    folder without a readable config counts as none)."""
+    if model_path is None:
+        return False
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    layer_types = config.get("layer_types") if isinstance(config, dict) else None
+    return isinstance(layer_types, list) and "sliding_attention" in layer_types
 
 
 def installed_sglang_version() -> str | None:
@@ -72,7 +130,7 @@ def _version_from_source(source: str) -> str | None:
 def check_patched(version: str | None) -> None:
     """Raise LaunchError unless ``version`` is an AKV build of SGLang."""
     if version is None:
-        raise LaunchError(f"sglang is not installed; build and install the AKV build with: {BUILD_COMMAND}")
+        raise LaunchError(f"sglang is not installed; install it and the AKV build with: {INSTALL_COMMAND}")
     if not version.endswith(PATCHED_SUFFIX):
         raise LaunchError(
             f"the installed sglang {version} is not the AKV build (version must end with {PATCHED_SUFFIX!r}); "
@@ -80,8 +138,9 @@ def check_patched(version: str | None) -> None:
         )
 
 
-def apply_akv_defaults(argv: list[str]) -> list[str]:
-    """``argv`` plus the AKV defaults it lacks; LaunchError when a flag contradicts AKV."""
+def apply_akv_defaults(argv: list[str], machine: Machine | None = None) -> list[str]:
+    """``argv`` plus the AKV defaults it lacks (the attention backend chosen for ``machine``, by
+    default this one); LaunchError when a flag contradicts AKV."""
     given: dict[str, str] = {}
     i = 0
     while i < len(argv):
@@ -98,7 +157,10 @@ def apply_akv_defaults(argv: list[str]) -> list[str]:
             _require(flag, value)
             given[flag] = value
         i += 1
-    missing = [item for flag, value in AKV_DEFAULTS.items() if flag not in given for item in (flag, value)]
+    defaults = dict(AKV_DEFAULTS)
+    if "--attention-backend" not in given:
+        defaults["--attention-backend"] = default_attention_backend(argv, machine or Machine.detect())
+    missing = [item for flag, value in defaults.items() if flag not in given for item in (flag, value)]
     switches = [flag for flag in AKV_SWITCHES if flag not in argv]
     return list(argv) + missing + switches
 
@@ -107,7 +169,7 @@ def _require(flag: str, value: Any) -> None:
     if str(value) not in ALLOWED[flag]:
         raise LaunchError(
             f"{flag} {value!r} conflicts with AKV: drop/reposition need {flag} {_choices(flag)} "
-            f"(leave the flag out to get {AKV_DEFAULTS.get(flag, ALLOWED[flag][0])})"
+            f"(leave the flag out to get AKV's default)"
         )
 
 
@@ -134,10 +196,29 @@ def check_server_args(server_args: Any) -> None:
                           "KV that a Drop brings back into the window (give --disable-hybrid-swa-memory)")
 
 
+def usage(version: str | None) -> str:
+    """The launcher's own help: what it adds, and where the rest of the flags are described."""
+    added = ", ".join(f"{flag} {value}" for flag, value in AKV_DEFAULTS.items() if flag != "--attention-backend")
+    sglang = ("SGLang's flags follow (python -m sglang.launch_server --help)." if version is not None else
+              f"SGLang is not installed, so its flags are not listed; install with: {INSTALL_COMMAND}")
+    return (f"usage: akv-server [SGLang flags] (or python -m akv.system.launch_server)\n\n{__doc__.strip()}\n\n"
+            f"Added unless given (default: {added}, {' '.join(AKV_SWITCHES)}, --attention-backend "
+            f"flashinfer on CUDA with FlashInfer installed, else triton; on this machine "
+            f"{default_attention_backend([], Machine.detect())}).\n{sglang}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    version = installed_sglang_version()
+    if "--version" in args:
+        print(f"akv {akv_version}; sglang {version or 'not installed'}")
+        return 0
+    if "-h" in args or "--help" in args:
+        print(usage(version), flush=True)
+        if version is None or not version.endswith(PATCHED_SUFFIX):
+            return 0
     try:
-        check_patched(installed_sglang_version())
+        check_patched(version)
         args = apply_akv_defaults(args)
     except LaunchError as exc:
         print(f"akv.system.launch_server: {exc}", file=sys.stderr)

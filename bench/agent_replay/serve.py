@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -156,7 +157,8 @@ def replay(url: str, conversations: Sequence[Conversation], concurrency: int, mo
             result = send(url, body, timeout_s)
         except BackendError as exc:
             return Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind,
-                          t0 - started, None, time.monotonic() - t0, None, None, None, None, None, str(exc)[:300])
+                          t0 - started, None, time.monotonic() - t0, None, None, None, None, None,
+                          f"{str(exc)[:1000]}; request body: {json.dumps(body)[:500]}")
         usage = result.usage
         return Sample(conversation.index, conversation.trajectory.name, request.turn, request.kind, t0 - started,
                       result.timings.ttft_s, result.timings.total_s,

@@ -19,7 +19,7 @@ from akv_demo.artifacts import RunArtifacts
 from akv_demo.plot import write_svg
 from akv_demo.policies import DemoPolicy, make_counter, make_policy
 from akv_demo.records import TOOL_NAME, ShipmentChain, read_record_schema, run_read_record
-from akv_demo.report import StepRecord, step_line, summary_table, totals
+from akv_demo.report import StepRecord, column_meanings, step_line, summary_table, totals
 
 SYSTEM_PROMPT = ("You are a logistics assistant. Use the read_record tool to follow a shipment's records "
                  "one by one until a record states the final destination, then answer with it.")
@@ -121,7 +121,7 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> DemoResu
     completed = tuple(convo.records_read) == chain.ids and final_answer is not None \
         and chain.final_location in final_answer
     table = summary_table(records)
-    (config.output / "summary.txt").write_text(table + "\n", encoding="utf-8")
+    (config.output / "summary.txt").write_text(f"{table}\n\nColumns:\n{column_meanings()}\n", encoding="utf-8")
     artifacts.write("summary.json", {
         "chain_completed": completed, "final_answer": final_answer, "final_location": chain.final_location,
         "records_read": convo.records_read, "steps": [r.as_dict() for r in records], "totals": totals(records),

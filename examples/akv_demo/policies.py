@@ -34,7 +34,7 @@ class DemoPolicy:
 
 
 def make_counter(tokenizer_dir: Path | None) -> TokenCounter:
-    """The model's own template counter when its directory is known (needs ``akv[tokenization]``),
+    """The model's own template counter when its directory is known (needs the ``tokenization`` extra),
     else the dependency-free estimate."""
     if tokenizer_dir is None:
         return ApproximateTokenCounter()

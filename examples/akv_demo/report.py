@@ -62,18 +62,21 @@ def step_line(record: StepRecord) -> str:
             f"new {record.new_tokens:6d} | {record.latency_s:6.2f} s | {record.action}")
 
 
-# (title, field, width, format spec); the action column is left-aligned and unpadded.
+# (title, field, width, format spec, meaning); the action column is left-aligned and unpadded.
 _COLUMNS = (
-    ("step", "step", 4, "d"),
-    ("msgs", "messages", 5, "d"),
-    ("sent", "prompt_tokens", 8, "d"),
-    ("cached", "cached_tokens", 8, "d"),
-    ("re-rot", "repos_tokens", 8, "d"),
-    ("skipped", "drop_skipped_tokens", 8, "d"),
-    ("new", "new_tokens", 9, "d"),
-    ("gen", "completion_tokens", 5, "d"),
-    ("latency_s", "latency_s", 10, ".2f"),
-    ("dropped", "dropped_so_far", 8, "d"),
+    ("step", "step", 4, "d", "the call's number"),
+    ("msgs", "messages", 5, "d", "messages sent"),
+    ("sent", "prompt_tokens", 8, "d", "prompt tokens (usage.prompt_tokens) = cached + re-rot + new"),
+    ("cached", "cached_tokens", 8, "d", "prompt tokens whose KV was reused at its own position (cached_tokens)"),
+    ("re-rot", "repos_tokens", 8, "d", "prompt tokens whose KV was reused after re-rotating it to a new position "
+                                       "(repos_tokens)"),
+    ("new", "new_tokens", 9, "d", "prompt tokens not read from the cache: computed by this call, or dropped "
+                                  "before any query of it read them (the server does not report the two apart)"),
+    ("dropped", "drop_skipped_tokens", 8, "d", "prompt tokens hidden by a drop from every query after it "
+                                               "(drop_skipped_tokens); they are also in cached, re-rot or new"),
+    ("gen", "completion_tokens", 5, "d", "generated tokens"),
+    ("latency_s", "latency_s", 10, ".2f", "seconds from sending the request to the end of the reply"),
+    ("msgs-drop", "dropped_so_far", 10, "d", "messages dropped so far in the conversation"),
 )
 _SUMMED = ("prompt_tokens", "cached_tokens", "repos_tokens", "drop_skipped_tokens", "new_tokens",
            "completion_tokens", "latency_s")
@@ -81,20 +84,27 @@ _SUMMED = ("prompt_tokens", "cached_tokens", "repos_tokens", "drop_skipped_token
 
 def summary_table(records: Sequence[StepRecord]) -> str:
     """A fixed-width text table, one row per step plus a totals row."""
-    header = "".join(title.rjust(width) for title, _, width, _ in _COLUMNS) + "  action"
+    header = "".join(title.rjust(width) for title, _, width, _, _ in _COLUMNS) + "  action"
     rule = "-" * len(header)
     rows = [header, rule]
     for record in records:
         values = record.as_dict()
-        rows.append("".join(format(values[key], spec).rjust(width) for _, key, width, spec in _COLUMNS)
+        rows.append("".join(format(values[key], spec).rjust(width) for _, key, width, spec, _ in _COLUMNS)
                     + "  " + record.action)
     all_steps = totals(records)
     cells = []
-    for _, key, width, spec in _COLUMNS:
+    for _, key, width, spec, _ in _COLUMNS:
         text = "all" if key == "step" else format(all_steps[key], spec) if key in all_steps else ""
         cells.append(text.rjust(width))
     rows += [rule, "".join(cells).rstrip()]
     return "\n".join(rows)
+
+
+def column_meanings() -> str:
+    """What each column of :func:`summary_table` counts, one line per column."""
+    width = max(len(title) for title, *_ in _COLUMNS)
+    return "\n".join(f"{title.ljust(width)}  {meaning}" for title, *_, meaning in _COLUMNS) + \
+        f"\n{'action'.ljust(width)}  what the harness did after the reply"
 
 
 def totals(records: Sequence[StepRecord]) -> dict[str, Any]:

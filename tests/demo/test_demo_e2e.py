@@ -118,8 +118,9 @@ def test_artifacts_are_complete_and_valid(server_url: str, tmp_path: Path) -> No
         assert row["prompt_tokens"] == usage["prompt_tokens"]
         assert row["drop_skipped_tokens"] == usage["prompt_tokens_details"]["drop_skipped_tokens"]
     assert summary["totals"]["prompt_tokens"] == sum(r.prompt_tokens for r in result.records)
-    table = (out / "summary.txt").read_text().splitlines()
-    assert len(table) == 2 + (CHAIN + 1) + 2
+    table, meanings = (out / "summary.txt").read_text().split("\n\nColumns:\n")
+    assert len(table.splitlines()) == 2 + (CHAIN + 1) + 2
+    assert [line.split()[0] for line in meanings.splitlines()] == table.splitlines()[0].split()
     svg = ET.parse(out / "plot.svg").getroot()
     assert svg.tag.endswith("svg")
     assert len([e for e in svg.iter() if e.tag.endswith("rect")]) > CHAIN + 1

@@ -1,6 +1,7 @@
-"""README.md runs as printed, in order: the quick start's commands, then every Python snippet.
+"""README.md runs as printed, in order: the quick start's commands, then every Python snippet, each on
+its own (a snippet needs nothing from the one before it).
 
-Two substitutions only: a tiny random model stands in for the converted SmolLM2 (written where the
+The install line is skipped (this environment has it). Two substitutions only: a tiny random model stands in for the converted SmolLM2 (written where the
 conversion command would write it, under the same name), and a free port replaces 30000."""
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def fenced(text: str, language: str) -> list[str]:
 
 
 def quick_start_commands() -> list[str]:
-    """The quick start's shell lines, then its inline one-process command, comments removed."""
+    """The quick start's shell lines after the install, then its inline one-process command, comments
+    removed."""
     text = section("Quick start")
     lines = [line.split("  #")[0].strip() for line in fenced(text, "bash")[0].splitlines()]
     inline = re.findall(r"`(python examples/demo\.py [^`]+)`", text)
-    return [line for line in lines if line] + inline
+    return [line for line in lines if line and not line.startswith("python -m pip install")] + inline
 
 
 def free_port() -> str:
@@ -140,8 +142,8 @@ def test_python_snippets_run_as_printed_in_order(quick_start, workdir: Path) -> 
     url, _ = quick_start
     snippets = fenced(README, "python")
     assert len(snippets) >= 2
-    namespace: dict = {}
     for k, snippet in enumerate(snippets):
+        namespace: dict = {}
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(snippet.replace(PRINTED_PORT, url.rsplit(":", 1)[1]), f"README python snippet {k + 1}",

@@ -14,10 +14,50 @@ from akv.system import launch_server as ls
 ROOT = Path(__file__).resolve().parents[2]
 
 
+CPU = ls.Machine(cuda=False, flashinfer=False)
+CUDA = ls.Machine(cuda=True, flashinfer=True)
+
+
 def test_defaults_are_added_and_other_flags_pass_through_in_order() -> None:
     argv = ["--model-path", "/m", "--port", "30001", "--tool-call-parser", "qwen"]
-    assert ls.apply_akv_defaults(argv) == argv + ["--page-size", "1", "--attention-backend", "triton",
-                                                  "--radix-cache-backend", "akv", "--disable-hybrid-swa-memory"]
+    assert ls.apply_akv_defaults(argv, CPU) == argv + ["--page-size", "1", "--attention-backend", "triton",
+                                                       "--radix-cache-backend", "akv", "--disable-hybrid-swa-memory"]
+
+
+def backend(argv: list[str]) -> str:
+    """The attention backend SGLang's parser ends up with: the last value given."""
+    return ls._flag_value(argv, "--attention-backend")
+
+
+def test_flashinfer_is_the_default_on_cuda_with_flashinfer_installed() -> None:
+    assert backend(ls.apply_akv_defaults(["--model-path", "/m"], CUDA)) == "flashinfer"
+    assert backend(ls.apply_akv_defaults(["--model-path", "/m", "--device", "cuda"], CUDA)) == "flashinfer"
+
+
+@pytest.mark.parametrize("given", ["triton", "flashinfer"])
+def test_an_explicit_attention_backend_wins(given: str) -> None:
+    for machine in (CPU, CUDA):
+        out = ls.apply_akv_defaults(["--model-path", "/m", f"--attention-backend={given}"], machine)
+        assert backend(out) == given and sum(a.startswith("--attention-backend") for a in out) == 1
+
+
+@pytest.mark.parametrize(("argv", "machine"), [
+    (["--model-path", "/m"], CPU),
+    (["--model-path", "/m"], ls.Machine(cuda=True, flashinfer=False)),
+    (["--model-path", "/m"], ls.Machine(cuda=False, flashinfer=True)),
+    (["--model-path", "/m", "--device", "cpu"], CUDA),
+    (["--model-path", "/m", "--device=xpu"], CUDA),
+])
+def test_triton_where_flashinfer_cannot_run(argv: list[str], machine: ls.Machine) -> None:
+    assert backend(ls.apply_akv_defaults(argv, machine)) == "triton"
+
+
+def test_triton_for_a_model_with_sliding_window_layers(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_oss", "layer_types": '
+                                          '["sliding_attention", "full_attention"]}')
+    assert backend(ls.apply_akv_defaults(["--model-path", str(tmp_path)], CUDA)) == "triton"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "sliding_window": null}')
+    assert backend(ls.apply_akv_defaults(["--model-path", str(tmp_path)], CUDA)) == "flashinfer"
 
 
 @pytest.mark.parametrize(
@@ -32,7 +72,7 @@ def test_defaults_are_added_and_other_flags_pass_through_in_order() -> None:
 )
 def test_agreeing_flags_are_kept_once(argv: list[str]) -> None:
     given = [*argv, "--disable-hybrid-swa-memory"]
-    out = ls.apply_akv_defaults(["--model-path", "/m", *given])
+    out = ls.apply_akv_defaults(["--model-path", "/m", *given], CUDA)
     assert out == ["--model-path", "/m", *given]
 
 
@@ -101,6 +141,14 @@ def test_unpatched_sglang_is_refused_with_the_build_command(version: str | None,
         ls.check_patched(version)
     assert message in str(info.value) and ls.BUILD_COMMAND in str(info.value)
     ls.check_patched("0.5.16+akv")
+
+
+def test_the_missing_sglang_hint_names_the_whole_install() -> None:
+    with pytest.raises(ls.LaunchError) as info:
+        ls.check_patched(None)
+    text = str(info.value)
+    install, build = text.index('pip install "sglang==0.5.16" -e ".[system]"'), text.index(ls.BUILD_COMMAND)
+    assert install < build
 
 
 def test_version_is_read_from_the_package_without_importing_it(tmp_path: Path) -> None:

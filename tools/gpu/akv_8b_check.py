@@ -18,20 +18,18 @@ AKV overlay (``--stock-site``, made on first use).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import server_process
-from transformers import AutoTokenizer
 
+from akv import cli
 from akv.agent import CachePolicy, CacheOperationHistory, ResultSelection, TurnReposition, TurnTrigger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,11 +52,8 @@ class Server(server_process.Server):
     def chat(self, body: dict[str, Any], max_tokens: int = 8) -> dict[str, Any]:
         full = {"model": "default", "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
                 "top_logprobs": 1, "tools": TOOLS, **body}
-        request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(full).encode(),
-                                         headers={"Content-Type": "application/json"})
         started = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=600) as response:
-            reply = json.loads(response.read())
+        reply = cli.request_json(f"{self.url}/v1/chat/completions", full, timeout=600)
         reply["seconds"] = time.perf_counter() - started
         return reply
 
@@ -166,16 +161,25 @@ def ttft_trial(patched: Server, stock: Server, tokenizer: Any, seed: int) -> dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"))
-    parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"))
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "akv_8b_check.json")
-    parser.add_argument("--trials", type=int, default=int(os.environ.get("AKV_TTFT_TRIALS", "3")))
-    parser.add_argument("--only-ttft", action="store_true", default=os.environ.get("AKV_ONLY_TTFT") == "1")
+    parser = cli.parser(None, __doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"),
+                        required=os.environ.get("AKV_MODEL_8B") is None,
+                        help="the 8B-shaped model folder (default: $AKV_MODEL_8B)")
+    parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"),
+                        help="where the stock SGLang site is unpacked")
+    parser.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", "."))
+                                                                / "akv_8b_check.json"),
+                        help="a new JSON file (default: $AKV_BENCH_OUT/akv_8b_check.json)")
+    parser.add_argument("--trials", type=int, default=int(os.environ.get("AKV_TTFT_TRIALS", "3")),
+                        help="TTFT trials (default: $AKV_TTFT_TRIALS, else 3)")
+    parser.add_argument("--only-ttft", action="store_true", default=os.environ.get("AKV_ONLY_TTFT") == "1",
+                        help="skip the checks (default: $AKV_ONLY_TTFT == 1)")
     parser.add_argument("--py-spy", default=os.environ.get("AKV_PY_SPY"),
                         help="py-spy binary: record the patched server's processes during the TTFT trials")
     args = parser.parse_args()
     server_process.unpack_stock_site(args.stock_site)
+    from transformers import AutoTokenizer  # here: --help needs no transformers
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     patched_env = {**base_env, "PYTHONPATH": os.environ["PYTHONPATH"]}

@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 from akv_8b_check import Server
 from akv_served_check import RATIO, compare, post, requests
 
-from akv.system.reference_server import Engine, ReferenceServer
+from akv import cli
 
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "triton-eager": (["--attention-backend", "triton", "--disable-cuda-graph", "--disable-overlap-schedule"], {}),
@@ -58,7 +57,7 @@ def conversation(seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def counter(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+    with cli.open_request(f"{url}/metrics", timeout=30) as response:
         text = response.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(f"sglang:akv_{name}") and not line.startswith("#"))
@@ -110,10 +109,20 @@ def cross_config(replies: dict[str, dict[str, dict]]) -> dict[str, float]:
     return worst
 
 
-def main() -> int:
-    model = Path(os.environ["AKV_TINY_MODEL"])
-    out = Path(os.environ.get("AKV_BENCH_OUT", ".")) / "akv_config_matrix.json"
-    chosen = os.environ.get("AKV_MATRIX_CONFIGS", " ".join(CONFIGS)).split()
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(None, __doc__.split("\n\n")[0])
+    env = os.environ.get
+    parser.add_argument("--model", type=Path, default=env("AKV_TINY_MODEL"), required=env("AKV_TINY_MODEL") is None,
+                        help="the tiny model's folder (default: $AKV_TINY_MODEL)")
+    parser.add_argument("--out-dir", type=Path, default=Path(env("AKV_BENCH_OUT", ".")),
+                        help="folder for akv_config_matrix.json and the server logs (default: $AKV_BENCH_OUT, else .)")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                        default=env("AKV_MATRIX_CONFIGS", " ".join(CONFIGS)).split(),
+                        help="configurations to run (default: $AKV_MATRIX_CONFIGS, else all)")
+    args = parser.parse_args(argv)
+    model, out, chosen = Path(args.model), args.out_dir / "akv_config_matrix.json", args.configs
+    if out.exists():
+        parser.error(f"{out} exists; results are never replaced")
     started = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **STRICT}
 
@@ -130,6 +139,8 @@ def main() -> int:
     report: dict[str, Any] = {"command": "tools/gpu/akv_config_matrix.py (tools/gpu/run.sh AKV_BENCH)",
                               "server_args": COMMON, "configs": {n: CONFIGS[n][0] + [f"{k}={v}" for k, v in CONFIGS[n][1].items()]
                                                                  for n in chosen}}
+    from akv.system.reference_server import Engine, ReferenceServer  # here: --help needs no torch
+
     reference_server = ReferenceServer(Engine(model, name="default", kv_slots=32768))
     reference_server.start_in_background()
     try:

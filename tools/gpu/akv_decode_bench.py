@@ -26,7 +26,6 @@ measurement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -35,14 +34,13 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from akv import cli
 from akv_8b_check import TOOLS, Conversation, Server
 from server_process import unpack_stock_site
-from transformers import AutoTokenizer
 
 FLOOR_US_PER_1K = 30.7
 GOAL_RATIO = 1.10
@@ -61,11 +59,7 @@ _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*(?:cuda|cpu) gra
 
 
 def post(url: str, path: str, body: dict[str, Any], timeout: float = 60) -> Any:
-    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        raw = response.read()
-    return json.loads(raw) if raw.strip() else None
+    return cli.request_json(f"{url}{path}", body, timeout)
 
 
 def stream(url: str, body: dict[str, Any], tokens: int, stop: threading.Event | None = None,
@@ -74,10 +68,8 @@ def stream(url: str, body: dict[str, Any], tokens: int, stop: threading.Event | 
     ``stop`` is set (the request was aborted on purpose); ``first`` gets the time of the first chunk."""
     full = {"model": "default", "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
             "tools": TOOLS, **body}
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(full).encode(),
-                                     headers={"Content-Type": "application/json"})
     chunks = 0
-    with urllib.request.urlopen(request, timeout=900) as response:
+    with cli.open_request(f"{url}/v1/chat/completions", full, timeout=900) as response:
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -105,9 +97,8 @@ def wait_idle(url: str, timeout: float = 60) -> None:
     """Until the server holds no running or waiting request."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        with urllib.request.urlopen(f"{url}/get_load", timeout=10) as response:
-            if sum(r["num_reqs"] for r in json.loads(response.read())) == 0:
-                return
+        if sum(r["num_reqs"] for r in cli.request_json(f"{url}/get_load", timeout=10)) == 0:
+            return
         time.sleep(0.2)
     raise TimeoutError(f"{url} still busy after {timeout:.0f} s")
 
@@ -193,18 +184,27 @@ def burst_rounds(urls: dict[str, str], tokenizer: Any, rounds: int) -> dict[str,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"))
-    parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"))
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "akv_decode_bench.json")
-    parser.add_argument("--live", default=os.environ.get("AKV_DECODE_LIVE", "32768 131072"))
-    parser.add_argument("--batches", default=os.environ.get("AKV_DECODE_BATCHES", "1 8 16"))
+    parser = cli.parser(None, __doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"),
+                        required=os.environ.get("AKV_MODEL_8B") is None,
+                        help="the 8B-shaped model folder (default: $AKV_MODEL_8B)")
+    parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"),
+                        help="where the stock SGLang site is unpacked")
+    parser.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", "."))
+                                                                / "akv_decode_bench.json"),
+                        help="a new JSON file (default: $AKV_BENCH_OUT/akv_decode_bench.json)")
+    parser.add_argument("--live", default=os.environ.get("AKV_DECODE_LIVE", "32768 131072"),
+                        help="live lengths (default: $AKV_DECODE_LIVE, else '32768 131072')")
+    parser.add_argument("--batches", default=os.environ.get("AKV_DECODE_BATCHES", "1 8 16"),
+                        help="batch sizes (default: $AKV_DECODE_BATCHES, else '1 8 16')")
     parser.add_argument("--lines", type=int, default=int(os.environ.get("AKV_DECODE_LINES", "4")),
                         help="decode log lines (20 steps each) at exactly B per measurement")
     parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "6")),
                         help="plain-burst rounds after the first live length (with --live '': the only measurement)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
+    from transformers import AutoTokenizer  # here: --help needs no transformers
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     batches = [int(b) for b in args.batches.split()]
     lives = [int(x) for x in args.live.split()]

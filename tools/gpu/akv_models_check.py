@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
 
 import akv_8b_check as big  # noqa: E402
+from akv import cli  # noqa: E402
 import akv_served_check as served  # noqa: E402
 import router_ties  # noqa: E402
 import server_process  # noqa: E402
@@ -102,10 +103,10 @@ ESTIMATE_S = {"gpt_oss_tiny": 150, "minimax_tiny": 60, "gpt_oss_20b": 120, "mini
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU: parts 1-2 on the CPU servers of tests/sglang_cpu")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", "models-check-out")))
-    p.add_argument("--work", type=Path, default=Path("/tmp/akv-models-check"),
+    p.add_argument("--work", type=Path, default=ROOT / "build" / "akv-models-check",
                    help="models (and with --dry-run the CPU sites) are made here")
     p.add_argument("--deadline-s", type=float, default=float(os.environ.get("AKV_MODELS_DEADLINE_S", "470")))
     p.add_argument("--ready-timeout", type=float, default=float("inf"),
@@ -115,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated parts to run (default all); the others are skipped")
     p.add_argument("--big-graphs", type=int, choices=(0, 1), default=int(os.environ.get("AKV_MODELS_BIG_GRAPHS", "1")))
     args = p.parse_args(argv)
+    if (args.out / "akv_models_check.json").exists():
+        p.error(f"{args.out / 'akv_models_check.json'} exists; results are never replaced: give a new --out")
     args.parts = args.parts.split(",")
     unknown = set(args.parts) - set(ESTIMATE_S)
     if unknown:

@@ -8,7 +8,8 @@ no FP32 path, so the bound is measured, not assumed: context requests must stay 
 largest error of the plain requests in the same run, greedy tokens must agree wherever the
 reference's top-2 margin exceeds that error, and usage must equal the reference server's.
 
-Writes ``$AKV_BENCH_OUT/akv_served_check.json``; exits 1 if a check fails.
+Writes ``$AKV_BENCH_OUT/akv_served_check.json``; exits 1 if a check fails. Each environment variable
+has a flag instead (``--help``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from akv.system.reference_server import Engine, ReferenceServer
+from akv import cli
 
 RATIO = 1.5
 TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
@@ -78,10 +78,7 @@ def requests(words: Sequence[int] = DEFAULT_WORDS) -> list[tuple[str, dict[str, 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     full = {"model": "default", "max_tokens": 8, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, **body}
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(full).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return json.loads(response.read())
+    return cli.request_json(f"{url}/v1/chat/completions", full, timeout=300)
 
 
 def compare(got: dict[str, Any], want: dict[str, Any], tokens: int | None = None) -> dict[str, Any]:
@@ -144,10 +141,21 @@ def verdict(rows: dict[str, dict[str, Any]], floor: float = 0.0, same_cache: boo
     return {"plain_max_logprob_error": plain_error, "bound": bound, "failures": failures}
 
 
-def main() -> int:
-    url = os.environ["SGLANG_BASE_URL"]
-    model = Path(os.environ["AKV_TINY_MODEL"])
-    out_dir = Path(os.environ.get("AKV_BENCH_OUT", "."))
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(None, __doc__.split("\n\n")[0])
+    env = os.environ.get
+    parser.add_argument("--base-url", default=env("SGLANG_BASE_URL"), required=env("SGLANG_BASE_URL") is None,
+                        help="the patched server under test (default: $SGLANG_BASE_URL)")
+    parser.add_argument("--model", type=Path, default=env("AKV_TINY_MODEL"), required=env("AKV_TINY_MODEL") is None,
+                        help="the tiny model's folder, for the reference server (default: $AKV_TINY_MODEL)")
+    parser.add_argument("--out-dir", type=Path, default=Path(env("AKV_BENCH_OUT", ".")),
+                        help="folder for akv_served_check.json (default: $AKV_BENCH_OUT, else .)")
+    args = parser.parse_args(argv)
+    url, model, out_dir = args.base_url, Path(args.model), args.out_dir
+    if (out_dir / "akv_served_check.json").exists():
+        parser.error(f"{out_dir / 'akv_served_check.json'} exists; results are never replaced")
+    from akv.system.reference_server import Engine, ReferenceServer  # here: --help needs no torch
+
     reference = ReferenceServer(Engine(model, name="default", kv_slots=16384))
     reference.start_in_background()
     started = time.time()

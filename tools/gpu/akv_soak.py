@@ -69,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
 
 import akv_8b_check as big  # noqa: E402
+from akv import cli  # noqa: E402
 import akv_served_check as served  # noqa: E402
 import server_process  # noqa: E402
 
@@ -121,15 +122,17 @@ DRY_SHAPE = {"shard_bytes": 64 << 10}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, CPU servers of tests/sglang_cpu")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", "soak-out")))
-    p.add_argument("--work", type=Path, default=Path("/tmp/akv-soak"), help="models (and CPU sites) are made here")
+    p.add_argument("--work", type=Path, default=ROOT / "build" / "akv-soak", help="models (and CPU sites) are made here")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="seconds from this script's start to its end (default AKV_SOAK_DEADLINE_S, else 470; dry 1200)")
     p.add_argument("--soak-s", type=float, default=None, help="traffic budget after the server is up (default 300)")
     p.add_argument("--ready-timeout", type=float, default=420.0)
     args = p.parse_args(argv)
+    if (args.out / "akv_soak.json").exists():
+        p.error(f"{args.out / 'akv_soak.json'} exists; results are never replaced: give a new --out")
     args.scale = CPU if args.dry_run else GPU
     if args.deadline_s is None:
         args.deadline_s = float(os.environ.get("AKV_SOAK_DEADLINE_S", args.scale.deadline_s))
@@ -297,7 +300,7 @@ class Sampler(threading.Thread):
 
     def read(self) -> dict[str, Any]:
         metrics = read_metrics(self.url)
-        with urllib.request.urlopen(f"{self.url}/v1/loads?include=core", timeout=10) as r:
+        with cli.open_request(f"{self.url}/v1/loads?include=core", timeout=10) as r:
             load = json.loads(r.read())["loads"][0]
         row = {"t": round(time.time() - self.t0, 2), "used": load["num_used_tokens"],
                "pool": load["max_total_num_tokens"], "running": load["num_running_reqs"],
@@ -308,7 +311,7 @@ class Sampler(threading.Thread):
 
 def read_metrics(url: str) -> dict[str, float]:
     """Every ``sglang:`` sample of ``/metrics``, summed over label sets, by name without the prefix."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+    with cli.open_request(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():

@@ -7,13 +7,13 @@ Usage: ``python tools/gpu/make_models.py --tiny DIR --qwen3-8b DIR [--qwen3-8b-r
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from akv import cli
 from akv.system.models.tiny import make_tiny_model
 
 TINY_SHAPE: dict[str, Any] = {
@@ -44,7 +44,7 @@ def make_qwen3_8b_random(folder: Path, *, seed: int = 0, device: str | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser(None, __doc__.split("\n\n")[0])
     parser.add_argument("--tiny", type=Path, required=True)
     parser.add_argument("--qwen3-8b", type=Path, required=True)
     parser.add_argument("--qwen3-8b-random", type=Path, default=None, help="also the 8B shape with random weights")

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
 from bench import serve_replay  # noqa: E402
+from akv import cli  # noqa: E402
 import server_process  # noqa: E402
 from server_process import Server  # noqa: E402
 from bench.agent_replay.methods import FullContext  # noqa: E402
@@ -69,7 +70,7 @@ def env(name: str, default: str) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, CPU servers, tiny trajectories")
     p.add_argument("--out", type=Path, default=Path(env("AKV_REPLAY_OUT", env("OUT", "replay-out"))))
     p.add_argument("--logs", type=Path, default=Path(os.environ["AKV_BENCH_OUT"]) if os.environ.get("AKV_BENCH_OUT")
@@ -80,8 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stock SGLang site (unpacked from .devkit/site-py312.tar.xz if absent)")
     p.add_argument("--patched-site", type=Path, default=None,
                    help="patched SGLang site (default: the current PYTHONPATH; --dry-run builds one)")
-    p.add_argument("--work", type=Path, default=Path(env("AKV_REPLAY_WORK", "/tmp/akv-replay-suite")),
-                   help="--dry-run: where the CPU sites and the tiny model are built (kept between runs)")
+    p.add_argument("--work", type=Path, default=Path(env("AKV_REPLAY_WORK", ROOT / "build" / "akv-replay-suite")),
+                   help="--dry-run: where the CPU sites and the tiny model are built (kept between runs; "
+                        "default: $AKV_REPLAY_WORK, else build/akv-replay-suite in the checkout)")
     p.add_argument("--concurrency", default=env("AKV_REPLAY_CONCURRENCY", "1,4,16"))
     p.add_argument("--count", type=int, default=int(env("AKV_REPLAY_COUNT", "8")),
                    help="distinct trajectories (conversation k replays trajectory k mod count)")
@@ -136,6 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=int(env("AKV_REPLAY_PORT", "0")) or None,
                    help="stock server's port, patched's the next (default: 30100 on the H200, free ports on CPU)")
     args = p.parse_args(argv)
+    if (args.out / "replay_suite.json").exists():
+        p.error(f"{args.out / 'replay_suite.json'} exists; results are never replaced: give a new --out")
     if args.dry_run:
         for flag, value in (("concurrency", "1,2"), ("count", 1), ("preset", "tiny"), ("start_turn", 0),
                             ("thresholds", "450,250"), ("keep", 2), ("max_output_tokens", 4), ("target_s", 240.0),

@@ -14,7 +14,6 @@ empty cache, where the reference computes the same logits), and the error the ch
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
 
 import akv_served_check as served  # noqa: E402
+from akv import cli  # noqa: E402
 from akv.system.reference.minimax_m2 import MiniMaxM2Model  # noqa: E402
 from akv.system.reference_server import Engine  # noqa: E402
 from akv.system.reference_server.protocol import parse_chat_request  # noqa: E402
@@ -88,17 +88,17 @@ def swapped_first_token(engine: Engine, probe: RouterProbe, body: dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None,
-                   help="model folder (default: minimax-m2-tiny, bf16, seed 0, made in /tmp/akv-router-ties)")
+                   help="model folder (default: minimax-m2-tiny, bf16, seed 0, made in build/akv-router-ties)")
     p.add_argument("--tokens", type=int, default=8, help="tokens generated per request (the check's max_tokens)")
     p.add_argument("--below", type=float, default=0.005, help="first-token gaps below this are swapped")
-    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    p.add_argument("--out", type=cli.new_file, default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     if args.model is None:
         from akv.system.models.minimax_m2 import make_minimax_m2_tiny
 
-        args.model = make_minimax_m2_tiny(Path("/tmp/akv-router-ties/minimax-m2-tiny"), dtype="bfloat16", seed=0)
+        args.model = make_minimax_m2_tiny(ROOT / "build" / "akv-router-ties" / "minimax-m2-tiny", dtype="bfloat16", seed=0)
     serving, cold = Engine(args.model, name="default"), Engine(args.model, name="default")
     probe, cold_probe = RouterProbe(serving.model), RouterProbe(cold.model)
     n_layers = serving.model.config.num_layers

@@ -1,4 +1,4 @@
-"""Smoke requests against a running patched server (standard library only).
+"""Smoke requests against a running patched server (standard library and ``akv.cli`` only).
 
 ``python tools/gpu/smoke_client.py --base http://127.0.0.1:30000 --json OUT.json``
 
@@ -8,14 +8,18 @@ passed. Random weights make the text meaningless: checks are about protocol shap
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from akv import cli  # noqa: E402
 
 TOOLS = [{
     "type": "function",
@@ -36,29 +40,32 @@ CONVERSATION = [
 
 
 class HttpResult:
-    """Status code and decoded JSON (or text) of one response."""
+    """Status code and decoded JSON (or text) of one response, and the request body that got it."""
 
-    def __init__(self, status: int, body: Any) -> None:
+    def __init__(self, status: int, body: Any, sent: dict[str, Any]) -> None:
         self.status = status
         self.body = body
+        self.sent = sent
+
+    def __str__(self) -> str:
+        return f"HTTP {self.status}: {str(self.body)[:1500]}; request body: {json.dumps(self.sent)[:1000]}"
 
 
 def post(base: str, path: str, body: dict[str, Any], timeout: float) -> HttpResult:
+    """Any status is a result (the checks expect 400s too)."""
     request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return HttpResult(response.status, _decode(response.read()))
+            return HttpResult(response.status, _decode(response.read()), body)
     except urllib.error.HTTPError as exc:
-        return HttpResult(exc.code, _decode(exc.read()))
+        return HttpResult(exc.code, _decode(exc.read()), body)
 
 
 def post_stream(base: str, path: str, body: dict[str, Any], timeout: float) -> list[Any]:
     """SSE ``data:`` payloads of a streamed response, ``"[DONE]"`` kept as a string."""
-    request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
     events: list[Any] = []
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    with cli.open_request(base + path, body, timeout) as response:
         assert response.status == 200, response.status
         for raw in response:
             line = raw.decode().strip()
@@ -81,7 +88,7 @@ def _chat(model: str, **fields: Any) -> dict[str, Any]:
 
 
 def _expect_ok(result: HttpResult) -> dict[str, Any]:
-    assert result.status == 200, f"HTTP {result.status}: {str(result.body)[:500]}"
+    assert result.status == 200, str(result)
     choice = result.body["choices"][0]
     assert choice["finish_reason"] in ("stop", "length", "tool_calls"), choice
     usage = result.body["usage"]
@@ -91,19 +98,21 @@ def _expect_ok(result: HttpResult) -> dict[str, Any]:
 
 def _expect_400(result: HttpResult, *needles: str) -> dict[str, Any]:
     text = json.dumps(result.body)
-    assert result.status == 400, f"expected HTTP 400, got {result.status}: {text[:500]}"
+    assert result.status == 400, f"expected HTTP 400, got {result}"
     for needle in needles:
         assert needle in text, f"{needle!r} not in error {text[:500]}"
     return {"error": text[:300]}
 
 
 def run_checks(base: str, timeout: float) -> dict[str, dict[str, Any]]:
-    model = json.loads(urllib.request.urlopen(base + "/v1/models", timeout=timeout).read())["data"][0]["id"]
+    model = cli.request_json(base + "/v1/models", timeout=timeout)["data"][0]["id"]
 
     def server_info() -> dict[str, Any]:
-        info = json.loads(urllib.request.urlopen(base + "/server_info", timeout=timeout).read())
+        info = cli.request_json(base + "/server_info", timeout=timeout)
         seen = {key: info.get(key) for key in ("version", "page_size", "attention_backend")}
-        assert seen == {"version": "0.5.16+akv", "page_size": 1, "attention_backend": "triton"}, seen
+        # the launcher's default backend: flashinfer on a CUDA device with FlashInfer, triton elsewhere
+        assert seen["version"] == "0.5.16+akv" and seen["page_size"] == 1, seen
+        assert seen["attention_backend"] in ("triton", "flashinfer"), seen
         return seen
 
     def plain_chat() -> dict[str, Any]:
@@ -168,16 +177,16 @@ def run_checks(base: str, timeout: float) -> dict[str, dict[str, Any]]:
         try:
             detail, ok = check(), True
         except Exception as exc:  # noqa: BLE001 - every failure is recorded, the next check still runs
-            detail, ok = {"error": f"{type(exc).__name__}: {exc}"[:800]}, False
+            detail, ok = {"error": f"{type(exc).__name__}: {exc}"[:3000]}, False
         results[name] = {"ok": ok, "seconds": round(time.perf_counter() - start, 3), **detail}
         print(f"[smoke] {name}: {'ok' if ok else 'FAIL'} {results[name]}", flush=True)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser(None, __doc__.split("\n\n")[0])
     parser.add_argument("--base", default="http://127.0.0.1:30000")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--json", type=cli.new_file, help="write the results to this new file")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
     results = run_checks(args.base, args.timeout)

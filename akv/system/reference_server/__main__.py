@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from akv import cli
 from akv.system.reference_server.engine import DEFAULT_KV_SLOTS, Engine
 from akv.system.reference_server.model_dir import ModelDirError
 from akv.system.reference_server.server import DEFAULT_IO_TIMEOUT, ReferenceServer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m akv.system.reference_server",
-                                     description="AKV CPU reference server (exact, slow; not for production)")
+    parser = cli.parser("akv-reference-server", "AKV CPU reference server (exact, slow; not for production); "
+                                                "also python -m akv.system.reference_server")
     parser.add_argument("--model", required=True, help="HF model directory (safetensors + tokenizer.json)")
     parser.add_argument("--served-model-name", default=None, help="name clients send as 'model' (default: dir name)")
     parser.add_argument("--host", default="127.0.0.1")
