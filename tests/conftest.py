@@ -23,6 +23,9 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Nothing a test loads comes from the Hugging Face hub: without this, transformers probes the hub
+# for local files too, and a run stalled for minutes where the network does not answer.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +53,13 @@ def patched_site(patched: _build.BuildResult) -> Path:
     return _build.installed_site(patched.wheel)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tiers: every test not marked ``slow`` or ``gpu`` is also ``quick`` (before ``-m`` selects);
+    GPU tests skip where no CUDA device is present."""
+    for item in items:
+        if "slow" not in item.keywords and "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.quick)
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; runs on the H200 through tools/gpu")
