@@ -177,12 +177,16 @@ def test_requests_that_cannot_fit_now_wait_and_are_exact(patched_site: Path, tin
     assert_pool_back(report)
 
 
+@pytest.mark.quick  # the quick tier's one run of the patched scheduler: AKV radix cache, batch metadata, copies
 def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     """Two turns sent together whose births fit the pool but whose births and re-rotation copies do
     not: the second waits for the first (instead of the scheduler running out of memory) and both
-    are exact."""
+    are exact; FlashInfer's lists planned for the same forwards read the same KV as triton's."""
     waves = scenarios.copy_budget_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64, max_total_tokens=216)
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64, max_total_tokens=216,
+                   flashinfer_probe=True)
+    probe = report["flashinfer_probe"]
+    assert probe["extend"] > 0 and probe["n_mismatches"] == 0, probe
     for wave in waves:
         for request in wave:
             assert_exact(oracle_model, request, report["results"][request.rid])
