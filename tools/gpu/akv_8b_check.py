@@ -160,16 +160,21 @@ def ttft_trial(patched: Server, stock: Server, tokenizer: Any, seed: int) -> dic
             "akv_usage": akv["usage"]["prompt_tokens_details"], "floor_cached": floor["usage"]["prompt_tokens_details"]}
 
 
-def main() -> int:
-    parser = cli.parser(None, __doc__.split("\n\n")[0])
+def parser_8b(doc: str, result: str) -> Any:
+    """The command line shared by the 8B-shaped H200 scripts: model, stock site, result file."""
+    parser = cli.parser(None, doc.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"),
                         required=os.environ.get("AKV_MODEL_8B") is None,
                         help="the 8B-shaped model folder (default: $AKV_MODEL_8B)")
     parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"),
                         help="where the stock SGLang site is unpacked")
-    parser.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", "."))
-                                                                / "akv_8b_check.json"),
-                        help="a new JSON file (default: $AKV_BENCH_OUT/akv_8b_check.json)")
+    parser.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", ".")) / result),
+                        help=f"a new JSON file (default: $AKV_BENCH_OUT/{result})")
+    return parser
+
+
+def main() -> int:
+    parser = parser_8b(__doc__, "akv_8b_check.json")
     parser.add_argument("--trials", type=int, default=int(os.environ.get("AKV_TTFT_TRIALS", "3")),
                         help="TTFT trials (default: $AKV_TTFT_TRIALS, else 3)")
     parser.add_argument("--only-ttft", action="store_true", default=os.environ.get("AKV_ONLY_TTFT") == "1",

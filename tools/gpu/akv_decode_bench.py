@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from akv import cli
-from akv_8b_check import TOOLS, Conversation, Server
+from akv_8b_check import TOOLS, Conversation, Server, parser_8b
 from server_process import unpack_stock_site
 
 FLOOR_US_PER_1K = 30.7
@@ -184,15 +184,7 @@ def burst_rounds(urls: dict[str, str], tokenizer: Any, rounds: int) -> dict[str,
 
 
 def main() -> int:
-    parser = cli.parser(None, __doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"),
-                        required=os.environ.get("AKV_MODEL_8B") is None,
-                        help="the 8B-shaped model folder (default: $AKV_MODEL_8B)")
-    parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"),
-                        help="where the stock SGLang site is unpacked")
-    parser.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", "."))
-                                                                / "akv_decode_bench.json"),
-                        help="a new JSON file (default: $AKV_BENCH_OUT/akv_decode_bench.json)")
+    parser = parser_8b(__doc__, "akv_decode_bench.json")
     parser.add_argument("--live", default=os.environ.get("AKV_DECODE_LIVE", "32768 131072"),
                         help="live lengths (default: $AKV_DECODE_LIVE, else '32768 131072')")
     parser.add_argument("--batches", default=os.environ.get("AKV_DECODE_BATCHES", "1 8 16"),
