@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
 
 import server_process  # noqa: E402
+from akv import cli  # noqa: E402
 from akv_8b_check import Conversation, Server  # noqa: E402
 from akv_decode_bench import COMMON, POOLS  # noqa: E402
 
@@ -116,17 +117,20 @@ def summary(trials: list[dict[str, Any]], first_is_servers_first: bool) -> dict[
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser(None, __doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, small sizes, one patched server")
-    p.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"))
+    p.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"),
+                   help="the 8B-shaped model folder (default: $AKV_MODEL_8B; --dry-run makes a tiny one)")
     p.add_argument("--steps", default="29 113", help="tool-result steps per size (29: ~33k tokens, 113: ~128k)")
-    p.add_argument("--result-tokens", type=int, default=800)
+    p.add_argument("--result-tokens", type=int, default=800, help="tokens of each tool result")
     p.add_argument("--trials", type=int, default=10, help="trials per size after its first")
     p.add_argument("--deadline-s", type=float, default=420.0,
                    help="no new trial starts this many seconds after the start (run.sh stops a bench at 540 s in all)")
-    p.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"))
-    p.add_argument("--work", type=Path, default=Path("/tmp/akv-next-turn"))
-    p.add_argument("--out", type=Path, default=Path(os.environ.get("AKV_BENCH_OUT", ".")) / "next_turn.json")
+    p.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"),
+                   help="where the stock SGLang site is unpacked (on the H200)")
+    p.add_argument("--work", type=Path, default=ROOT / "build" / "akv-next-turn", help="models and CPU sites are made here")
+    p.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", ".")) / "next_turn.json"),
+                   help="a new JSON file, rewritten after every trial (default: $AKV_BENCH_OUT/next_turn.json)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.steps, args.result_tokens, args.trials, args.deadline_s = "2", 8, 1, 3600.0
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the report says what stopped the run
         body = exc.read().decode(errors="replace")[:1000] if isinstance(exc, urllib.error.HTTPError) else ""
         report["error"] = f"{exc!r} {body}"[-2000:]
+        print(f"next_turn: stopped: {report['error']}", file=sys.stderr, flush=True)
         ok = False
     finally:
         patched.stop()

@@ -67,9 +67,10 @@ PARSERS = {"gpt-oss": ["--reasoning-parser", "gpt-oss", "--tool-call-parser", "g
            "minimax": ["--reasoning-parser", "minimax-append-think", "--tool-call-parser", "minimax-m2"]}
 GPU_TINY = ["--dtype", "bfloat16", "--attention-backend", "triton", "--disable-cuda-graph", "--sampling-backend",
             "pytorch", "--max-total-tokens", "32768", "--mem-fraction-static", "0.9", "--enable-cache-report"]
+# CPU: a few running requests, since each req_to_token row holds AKV_MAX_TEXT_TOKENS (4x the context)
 CPU_TINY = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
             "--max-total-tokens", "8192", "--chunked-prefill-size", "256", "--skip-server-warmup",
-            "--mem-fraction-static", "0.5", "--enable-cache-report"]
+            "--mem-fraction-static", "0.5", "--enable-cache-report", "--max-running-requests", "16"]
 BIG = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton", "--page-size", "1",
        "--sampling-backend", "pytorch", "--enable-cache-report", "--context-length", "32768",
        "--disable-hybrid-swa-memory"]

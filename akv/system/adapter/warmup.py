@@ -110,6 +110,8 @@ def warm_kernels(model_runner: Any) -> int:
     SHAPES.install()
     if getattr(model_runner.server_args, "radix_cache_backend", None) != "akv":
         return 0
+    if not hasattr(model_runner.token_to_kv_pool, "k_buffer"):
+        return 0  # a pool the AKV cache refuses at start-up (hybrid SWA memory), naming the flag to use
     try:
         executor = CopyExecutor(model_runner)
         check_launchable(executor.k.base, "k_buffer")
