@@ -23,6 +23,7 @@ import pytest
 from akv.system.reference_server import Engine, ReferenceServer
 
 from .conftest import HERE, ROOT, STRICT
+from http_client import post_text
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +51,9 @@ def _free_port() -> int:
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            text = response.read().decode()
-            status = response.status
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read().decode())
+    status, text = post_text(url, body, timeout=600)
+    if status != 200:
+        return status, json.loads(text)
     if body.get("stream"):
         events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
