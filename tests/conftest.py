@@ -23,6 +23,9 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # SGLang wraps gpt-oss's and MiniMax-M2's MoE routing in torch.compile: each CPU server a test
+    # starts would compile it with inductor again (~15 CPU s each), on no path AKV changes.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # Nothing a test loads comes from the Hugging Face hub: without this, transformers probes the hub
 # for local files too, and a run stalled for minutes where the network does not answer.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
