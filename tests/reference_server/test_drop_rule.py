@@ -136,7 +136,8 @@ def test_keep_text_drop_partial_message_and_forced_fallback(served: Any, oracle_
     plain = ask(served.url, rewritten)
     assert generated(reply) == generated(plain)
     assert reply["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
-    assert set(reply["usage"]["prompt_tokens_details"]) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens"}
+    assert set(reply["usage"]["prompt_tokens_details"]) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens",
+                                                                "computed_tokens"}
 
 
 def thinking_call(i: int) -> dict[str, Any]:

@@ -109,7 +109,8 @@ def test_drops_and_repositions_are_served_exactly_cold_and_warm(served: Any, ora
 def test_usage_counts_match_message_ownership(served: Any) -> None:
     """Warm messages 0..5 with a plain request; then drop message 3 at 5 and reposition there.
     Messages 0..2 are read at their stored positions (cached), message 3 is never read (skipped),
-    messages 4..5 are read shifted left by message 3's length (re-rotated)."""
+    messages 4..5 are read shifted left by message 3's length (re-rotated); messages 6..7 and the
+    generation prompt are computed."""
     served.engine.cache.flush()
     post_ok(served.url, body(6))
     reply = post_ok(served.url, body(8, drop_message={"5": [3]}, reposition=[5]))
@@ -119,6 +120,7 @@ def test_usage_counts_match_message_ownership(served: Any) -> None:
         "cached_tokens": int(np.isin(owners, [0, 1, 2]).sum()),
         "repos_tokens": int(np.isin(owners, [4, 5]).sum()),
         "drop_skipped_tokens": int((owners == 3).sum()),
+        "computed_tokens": int((owners >= 6).sum()),
     }
 
 

@@ -123,7 +123,7 @@ def test_usage_equals_the_reference_servers(served_turns: list) -> None:
         assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], name
         if name != "plain":
             details = got["usage"]["prompt_tokens_details"]
-            assert set(details) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens"}, name
+            assert set(details) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens"}, name
             assert details == want["usage"]["prompt_tokens_details"], name
     streamed = dict((n, g) for n, g, _ in served_turns)["drop-and-repos-streamed"]
     assert streamed["usage"]["prompt_tokens_details"]["repos_tokens"] == 0, "the repeat reads re-rotated KV as cached"
