@@ -10,16 +10,25 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 
 
-def post_text(url: str, body: Any, *, path: str = CHAT, timeout: float = 120) -> tuple[int, str]:
-    """Status and body text of a POST; ``body`` is sent as is when it is ``bytes``, else as JSON.
-    An HTTP error status is returned, not raised."""
+def exchange(url: str, body: Any, *, path: str = CHAT, timeout: float = 120,
+             headers: dict[str, str] | None = None) -> tuple[int, str, dict[str, str]]:
+    """Status, body text and response headers (names lower-cased) of a POST; ``body`` is sent as is
+    when it is ``bytes``, else as JSON. An HTTP error status is returned, not raised."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url + path, data=data,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read().decode()
+            status, text, got = response.status, response.read().decode(), response.headers
     except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
+        status, text, got = error.code, error.read().decode(), error.headers
+    return status, text, {name.lower(): value for name, value in got.items()}
+
+
+def post_text(url: str, body: Any, *, path: str = CHAT, timeout: float = 120) -> tuple[int, str]:
+    """Status and body text of a POST (see ``exchange``)."""
+    status, text, _ = exchange(url, body, path=path, timeout=timeout)
+    return status, text
 
 
 def post(url: str, body: Any, *, path: str = CHAT, timeout: float = 120) -> tuple[int, Any]:
