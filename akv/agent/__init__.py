@@ -31,6 +31,7 @@ from akv.agent.protection import Protection
 from akv.agent.receipts import ModelRequest
 from akv.agent.reposition import ModelReposition, TokenReposition, TurnReposition
 from akv.agent.results import GenerationResult, Timings, ToolCall, Usage
+from akv.agent.routing import ROUTING_HEADER, routing_key
 from akv.agent.selectors import ModelSelection, ResultSelection, TokenSelection, TurnSelection
 from akv.agent.templating import TemplateInputError, TemplateInputs, sglang_template_inputs
 from akv.agent.tool import DropContextTool
@@ -42,11 +43,11 @@ __all__ = [
     "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
     "HistoryError", "HTTPStatusError", "IncompleteStreamError", "LiveBudgetSelection", "LiveBudgetTrigger",
     "MissingExtraError", "ModelReposition", "ModelRequest",
-    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "ResultSelection", "RuleError",
+    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "ResultSelection", "ROUTING_HEADER", "RuleError",
     "StreamError",
     "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
     "TokenReposition", "TokenSelection", "TokenTrigger", "ToolCall", "TransportError", "TurnReposition",
     "TurnSelection", "TurnTrigger", "UnexpectedResponseError", "Usage", "extra_body", "keep_text_payload",
-    "live_budget_policy", "send_chat_request",
+    "live_budget_policy", "routing_key", "send_chat_request",
     "sglang_template_inputs",
 ]

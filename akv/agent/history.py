@@ -80,13 +80,18 @@ class CacheOperationHistory:
     `settings_digest` that of the model/tools/template settings they were decided under. A history
     returned by `CachePolicy.process` also keeps, in memory only, a copy of those messages so that
     the next call can check its prefix without re-hashing it, and computes `prefix_digest` from that
-    copy only when it is first read (by `to_json()`, a comparison, or the caller)."""
+    copy only when it is first read (by `to_json()`, a comparison, or the caller).
+
+    `routing_key` is the branch's conversation routing key (`akv.agent.routing`): the value of the
+    `x-smg-routing-key` header for harnesses that send requests themselves (None in a history read
+    from JSON written without one; the next `process()` sets it)."""
 
     operations: tuple[CacheOperation, ...]
     message_count: int
     prefix_digest: str
     settings_digest: str
     snapshot: list[Any] | None = field(default=None, compare=False, repr=False)
+    routing_key: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.operations, tuple) or not all(
@@ -114,10 +119,14 @@ class CacheOperationHistory:
             previous = op.boundary
         if self.snapshot is not None and len(self.snapshot) != self.message_count:
             raise HistoryError(f"CacheOperationHistory.snapshot must hold {self.message_count} messages")
+        if self.routing_key is not None and (not isinstance(self.routing_key, str) or not self.routing_key):
+            raise HistoryError(f"CacheOperationHistory.routing_key must be a non-empty string or None, "
+                               f"got {self.routing_key!r}")
 
     @classmethod
     def extending(cls, base: CacheOperationHistory | None, operations: tuple[CacheOperation, ...],
-                  settings_digest: str, snapshot: list[Any]) -> CacheOperationHistory:
+                  settings_digest: str, snapshot: list[Any], routing_key: str | None = None
+                  ) -> CacheOperationHistory:
         """The history of the messages in `snapshot` (a private copy, which `base`, if given, covers a
         prefix of). Its `prefix_digest` is computed from the snapshot when first read, so that
         `process()` hashes nothing unless the history is serialised or compared."""
@@ -125,7 +134,7 @@ class CacheOperationHistory:
         source = (EMPTY_PREFIX, 0) if base is None else base._digest_base()
         for name, value in (("operations", operations), ("message_count", len(snapshot)),
                             ("settings_digest", settings_digest), ("snapshot", snapshot),
-                            ("_digest_source", source)):
+                            ("routing_key", routing_key), ("_digest_source", source)):
             object.__setattr__(history, name, value)
         history.__post_init__()
         return history
@@ -160,14 +169,17 @@ class CacheOperationHistory:
         return [op.boundary for op in self.operations if op.reposition]
 
     def to_json(self) -> str:
-        return json.dumps({
+        data = {
             "format": _FORMAT,
             "message_count": self.message_count,
             "prefix_digest": self.prefix_digest,
             "settings_digest": self.settings_digest,
             "operations": [{"boundary": op.boundary, "drop": list(op.drop), "reposition": op.reposition}
                            for op in self.operations],
-        }, sort_keys=True)
+        }
+        if self.routing_key is not None:
+            data["routing_key"] = self.routing_key
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> CacheOperationHistory:
@@ -188,4 +200,4 @@ class CacheOperationHistory:
                 raise HistoryError(f"history JSON operations[{k}].drop must be a list")
             operations.append(CacheOperation(op["boundary"], tuple(op["drop"]), op["reposition"]))
         return cls(tuple(operations), data.get("message_count"), data.get("prefix_digest"),
-                   data.get("settings_digest"))
+                   data.get("settings_digest"), routing_key=data.get("routing_key"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from akv.agent import checks
@@ -21,6 +21,7 @@ from akv.agent.messages import parse_conversation
 from akv.agent.jsonvalue import copy_json_pair, same_json, validate_json
 from akv.agent.payload import check_payload, copy_json, with_fields
 from akv.agent.protection import Protection
+from akv.agent.routing import routing_key
 from akv.agent.thinking import thinking_schedule
 from akv.agent.tool import DropContextTool
 
@@ -78,15 +79,19 @@ class CachePolicy:
                 ) -> tuple[dict[str, Any], CacheOperationHistory]:
         """Return a deep copy of `payload` with the cumulative `drop_message`/`reposition` fields
         (under `extra_body` for api_style="openai") and the extended history. Decisions already in
-        `history` are kept; only turns completed after it are decided."""
+        `history` are kept; only turns completed after it are decided. The history's `routing_key`
+        is the conversation's `x-smg-routing-key` header value (`akv.agent.routing`)."""
         check_payload(payload, api_style)
         messages = payload.get("messages")
         conversation = parse_conversation(messages, completed_call_message_ids)
         settings = settings_digest(payload, api_style)
+        key = routing_key(payload)
         start = 0
         if history is not None:
             _check_history(history, conversation.boundaries, messages, settings)
             if history.message_count == len(messages):
+                if history.routing_key != key:
+                    history = replace(history, routing_key=key)
                 thinking = self._thinking(messages, conversation.boundaries, history)
                 return with_fields(payload, copy_json(messages), history, api_style, thinking), history
             start = history.message_count
@@ -109,7 +114,7 @@ class CachePolicy:
                 if op is not None:
                     operations.append(op)
             previous = boundary
-        new_history = CacheOperationHistory.extending(history, tuple(operations), settings, snapshot)
+        new_history = CacheOperationHistory.extending(history, tuple(operations), settings, snapshot, key)
         thinking = self._thinking(messages, conversation.boundaries, new_history)
         return with_fields(payload, sent, new_history, api_style, thinking), new_history
 

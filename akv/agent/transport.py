@@ -23,6 +23,7 @@ from akv.agent.errors import (
     UnexpectedResponseError,
 )
 from akv.agent.results import GenerationResult, Timings
+from akv.agent.routing import ROUTING_HEADER, routing_key
 from akv.agent.sse import SSEParser
 from akv.agent.trace import CallTrace
 
@@ -53,7 +54,8 @@ def send_chat_request(base_url: str, payload: Mapping[str, Any], *, headers: Map
     it exists). Bad arguments raise ConfigError or PayloadError; a failed call raises HTTPStatusError
     (RedirectError for a 3xx, which is not followed), ContextLengthError, UnexpectedResponseError (a
     success status without an SSE stream), StreamError, IncompleteStreamError or TransportError (all
-    BackendError)."""
+    BackendError). The conversation's routing key goes in the `x-smg-routing-key` header (see
+    `akv.agent.routing`) unless `headers` names one or the payload has no messages."""
     url = chat_completions_url(base_url)
     body, all_headers = _request(payload, headers, timeout)
     recorder = CallTrace(trace) if trace is not None else None
@@ -92,7 +94,10 @@ def _request(payload: object, headers: object, timeout: object) -> tuple[bytes, 
         raise PayloadError(f"payload cannot be sent as JSON: {exc}", field="payload") from None
     except RecursionError:
         raise PayloadError("payload nests too deeply to be sent as JSON", field="payload") from None
-    return body, {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {})}
+    all_headers = {"Content-Type": "application/json", "Accept": "text/event-stream", **(headers or {})}
+    if not any(name.lower() == ROUTING_HEADER for name in all_headers) and payload.get("messages"):
+        all_headers[ROUTING_HEADER] = routing_key(payload)
+    return body, all_headers
 
 
 def _exchange(url: str, body: bytes, headers: dict[str, str], timeout: float,
