@@ -90,7 +90,7 @@ def router_command(argv: list[str]) -> list[str]:
 def usage() -> str:
     added = " ".join([*(f"{f} {v}" for f, v in AFFINITY_DEFAULTS.items()), *AFFINITY_SWITCHES])
     return (f"usage: python -m akv.system.launch_router --worker-urls URL [URL ...] [smg flags]\n\n"
-            f"{__doc__.strip()}\n\nAdded unless given: {added}.\n"
+            f"{__doc__.strip()}\n\nAdded unless given (default: {added}).\n"
             f"smg's flags: python -m smg launch --help\n")
 
 

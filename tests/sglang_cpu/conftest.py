@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +47,74 @@ def serve(site: Path, model: Path, waves: list[dict], *, overlap: bool = False, 
                           capture_output=True, text=True, env=process_env, timeout=timeout, check=False)
     assert done.returncode == 0, done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+SERVER_ARGS = ["--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--disable-cuda-graph",
+               "--sampling-backend", "pytorch", "--max-total-tokens", "4096", "--chunked-prefill-size", "16",
+               "--skip-server-warmup", "--mem-fraction-static", "0.5"]
+"""The CPU flags of a whole patched server (``python -m akv.system.launch_server``) on the tiny model."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Server:
+    """A patched server process (its own session) and where it listens and logs."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def kill(self, sig: int = 9) -> None:
+        """Signal the server's whole process group (HTTP server, scheduler, detokenizer)."""
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_until_up(process: subprocess.Popen, url: str, log_path: Path, timeout: float = 600) -> None:
+    """Until ``url`` answers; fails with the log's tail when the process exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert process.poll() is None, log_path.read_text()[-4000:]
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"{url} did not answer in {timeout} s: {log_path.read_text()[-4000:]}")
+
+
+@contextmanager
+def patched_servers(site: Path, model: Path, log_dir: Path, count: int = 1) -> Iterator[list[Server]]:
+    """``count`` patched servers on the tiny model, started side by side; stopped on exit."""
+    env = {**os.environ, **STRICT, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(site), str(ROOT)])}
+    with ExitStack() as stack:
+        servers = []
+        for i in range(count):
+            port = free_port()
+            log_path = log_dir / f"server-{i}.log"
+            log = stack.enter_context(open(log_path, "w"))
+            command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(model), "--port", str(port),
+                       *SERVER_ARGS]
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            server = Server(f"http://127.0.0.1:{port}", process, log_path)
+            stack.callback(_stop, server)
+            servers.append(server)
+        for server in servers:
+            wait_until_up(server.process, f"{server.url}/health", server.log_path)
+        yield servers
+
+
+def _stop(server: Server) -> None:
+    server.kill(15)
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill(9)
+        server.process.wait(timeout=30)
