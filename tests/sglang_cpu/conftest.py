@@ -91,8 +91,10 @@ def wait_until_up(process: subprocess.Popen, url: str, log_path: Path, timeout: 
 
 
 @contextmanager
-def patched_servers(site: Path, model: Path, log_dir: Path, count: int = 1) -> Iterator[list[Server]]:
-    """``count`` patched servers on the tiny model, started side by side; stopped on exit."""
+def patched_servers(site: Path, model: Path, log_dir: Path, count: int = 1,
+                    args: tuple[str, ...] = ()) -> Iterator[list[Server]]:
+    """``count`` patched servers on the tiny model (``SERVER_ARGS`` and ``args``), started side by side;
+    stopped on exit."""
     env = {**os.environ, **STRICT, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(site), str(ROOT)])}
     with ExitStack() as stack:
         servers = []
@@ -101,7 +103,7 @@ def patched_servers(site: Path, model: Path, log_dir: Path, count: int = 1) -> I
             log_path = log_dir / f"server-{i}.log"
             log = stack.enter_context(open(log_path, "w"))
             command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(model), "--port", str(port),
-                       *SERVER_ARGS]
+                       *SERVER_ARGS, *args]
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             server = Server(f"http://127.0.0.1:{port}", process, log_path)
             stack.callback(_stop, server)

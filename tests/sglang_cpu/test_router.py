@@ -70,7 +70,7 @@ def fleet(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPat
           ) -> Iterator[tuple[str, list[Server], dict[str, str]]]:
     """The router's URL, the two workers and, per worker URL, the URL of its mirroring reference server."""
     log_dir = tmp_path_factory.mktemp("router")
-    with patched_servers(patched_site, tiny_qwen3, log_dir, count=2) as workers:
+    with patched_servers(patched_site, tiny_qwen3, log_dir, count=2, args=("--served-model-name", "default")) as workers:
         port = free_port()
         command = [sys.executable, "-m", "akv.system.launch_router", "--host", "127.0.0.1", "--port", str(port),
                    "--worker-urls", *(w.url for w in workers), "--policy", "round_robin",
@@ -166,7 +166,7 @@ def test_a_dead_workers_conversation_moves_and_is_recovered_exactly(
 def test_server_info_counts_a_running_context_request(fleet: tuple[str, list[Server], dict[str, str]],
                                                        before_the_kill: dict[str, Any]) -> None:
     router, workers, mirrors = fleet
-    body = {**conversation("A", 4), "max_tokens": 24}
+    body = {**conversation("A", 4), "max_tokens": 12}
     seen: list[dict[str, int]] = []
     done: list[tuple[str, dict[str, Any]]] = []
     sender = threading.Thread(target=lambda: done.append(routed(router, body)))

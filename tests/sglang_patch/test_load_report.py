@@ -1,6 +1,6 @@
 """``/server_info``'s ``akv`` block (akv.system.adapter.load_report) on a scheduler's state: the pool
-split into live, cached and free slots, and the requests (context ones among them) counted once each,
-wherever the scheduler keeps them. The served numbers are checked in tests/sglang_cpu/test_router.py."""
+split into live, cached and free slots, and the unfinished requests (context ones among them) counted
+once each, wherever the scheduler keeps them. The served numbers are checked in tests/sglang_cpu/test_router.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 from akv.system.adapter.load_report import worker_load
 
 
-def req(context: bool) -> SimpleNamespace:
-    return SimpleNamespace(akv=object() if context else None)
+def req(context: bool, finished: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(akv=object() if context else None, finished=lambda: finished)
 
 
 def scheduler(*, running, rounds, chunked, waiting, free=600, evictable=250) -> SimpleNamespace:
@@ -23,8 +23,10 @@ def scheduler(*, running, rounds, chunked, waiting, free=600, evictable=250) -> 
 
 def test_the_pool_split_and_the_request_counts() -> None:
     plain, ctx, between, chunked = req(False), req(True), req(True), req(True)
-    waiting = [req(True), req(False), req(False)]
-    report = worker_load(scheduler(running=[plain, ctx, chunked], rounds=[between], chunked=chunked, waiting=waiting))
+    waiting = [req(True), req(False), req(False), req(True, finished=True)]
+    done = req(True, finished=True)  # finished in the last step, filtered out of the batch at the next
+    report = worker_load(scheduler(running=[plain, ctx, chunked, done], rounds=[between], chunked=chunked,
+                                   waiting=waiting))
     assert report == {"kv_capacity_tokens": 1000, "kv_live_tokens": 150, "kv_cached_tokens": 250, "kv_free_tokens": 600,
                       "requests_running": 4, "requests_waiting": 3,
                       "context_requests_running": 3, "context_requests_waiting": 1}

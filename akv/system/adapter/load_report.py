@@ -13,15 +13,16 @@ from typing import Any
 
 
 def worker_load(scheduler: Any) -> dict[str, int]:
-    """The scheduler's KV split and request counts (ints, JSON-ready)."""
+    """The scheduler's KV split and request counts (ints, JSON-ready). A finished request still in
+    the running batch (its KV already handed to the tree) no longer counts."""
     capacity = int(scheduler.max_total_num_tokens)
     free = int(scheduler.token_to_kv_pool_allocator.available_size())
     cached = int(scheduler.tree_cache.evictable_size())
-    running = {id(req): req for req in scheduler.running_batch.reqs}
+    running = {id(req): req for req in scheduler.running_batch.reqs if not req.finished()}
     for req in (*scheduler.akv_rounds.reqs, scheduler.chunked_req):
-        if req is not None:
+        if req is not None and not req.finished():
             running[id(req)] = req
-    waiting = list(scheduler.waiting_queue)
+    waiting = [req for req in scheduler.waiting_queue if not req.finished()]
     return {
         "kv_capacity_tokens": capacity,
         "kv_live_tokens": capacity - free - cached,
