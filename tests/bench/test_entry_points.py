@@ -142,7 +142,7 @@ def test_the_console_scripts_name_callables() -> None:
     import tomllib
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
-    assert set(scripts) == {"akv-server", "akv-reference-server", "akv-demo"}
+    assert set(scripts) == {"akv-server", "akv-router", "akv-reference-server", "akv-demo"}
     sys.path.insert(0, str(ROOT / "examples"))  # where the packaging finds akv_demo
     try:
         for target in scripts.values():
@@ -152,7 +152,8 @@ def test_the_console_scripts_name_callables() -> None:
         sys.path.remove(str(ROOT / "examples"))
 
 
-@pytest.mark.parametrize("entry", ["-m akv.system.launch_server", "-m akv.system.reference_server", "examples/demo.py"])
+@pytest.mark.parametrize("entry", ["-m akv.system.launch_server", "-m akv.system.launch_router", "-m akv.system.reference_server",
+                                   "examples/demo.py"])
 def test_version(entry: str) -> None:
     from akv import __version__
 
