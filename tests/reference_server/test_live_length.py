@@ -115,5 +115,6 @@ def test_without_drops_the_400_names_messages_and_the_live_length(served: tuple)
     message = reply["error"]["message"]
     assert f"the live length is {text} tokens" in message
     assert f"maximum context length of {CONTEXT} tokens" in message
-    assert f"at least {text + 1 - CONTEXT} more tokens" in message
+    assert f"plus max_tokens {MAX_TOKENS}" in message
+    assert f"at least {text + MAX_TOKENS - CONTEXT} more tokens" in message
     assert engine.cache.active == 0 and engine.pool.n_protected == 0
