@@ -13,12 +13,27 @@ afterwards (positions only decrease), so its slot is recycled for a later segmen
 request needs the peak, not the sum, of its live copies. Births and what generation reads live to
 the end and are published. Copy slots are bound when the request is committed, so an engine
 budgets (and evicts for) one allocation before anything changes.
+
+A *compact* plan (for engines that run the steps one after another: each segment's copies and
+forward, in order, before the next segment's, then the terminal copies) also needs no more than
+the request's largest live set at once:
+
+- births are numbered like copies (``-2 - n_tokens - k``), so a birth no later step reads (a dropped
+  token after its last reader) gives its slot to a later birth or copy;
+- a copy whose source is a tree version that ``takeable`` marks (no other request or tree path
+  reads it) and that no earlier step of this request read goes *in place*: ``dst == src``, the
+  slot is rotated where it is and listed in ``taken`` (the core takes it from the tree at commit).
+  The rule that makes this safe in any engine: the old version is read by nothing but the copy,
+  neither by another reader nor by any segment of this request (the copies of a step may run
+  before the attention of earlier segments when an engine batches several segments into one
+  forward). Recycled births are not safe there: an engine that writes several segments' births in
+  one forward must not use a compact plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -45,10 +60,13 @@ class DraftPlan:
     n_tokens: int
     n_copy_slots: int
     plan: RequestPlan
+    taken: np.ndarray = field(default_factory=lambda: frozen(np.zeros(0, np.int64), np.int64))
+    compact: bool = False
 
     @property
     def n_births(self) -> int:
-        return int(self.plan.computed.sum())
+        """Birth slots the engine allocates (none in a compact plan: its births are copy slots)."""
+        return 0 if self.compact else int(self.plan.computed.sum())
 
     @property
     def n_slots(self) -> int:
@@ -86,13 +104,15 @@ def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
     return out
 
 
-def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
-    """Plan ``program`` against the versions ``match`` found resident."""
+def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bool = False,
+                     takeable: np.ndarray | None = None) -> DraftPlan:
+    """Plan ``program`` against the versions ``match`` found resident; ``compact`` (module docstring)
+    recycles births and rotates in place the versions ``takeable`` (``match.slots``' shape) marks."""
     if match.n_tokens > program.n_tokens:
         raise ValueError(f"match: {match.n_tokens} matched tokens exceed the program's {program.n_tokens}")
     resident = match.resident
     computed = needed_queries(program, resident)
-    table = _VersionTable(program, match)
+    table = _VersionTable(program, match, compact, takeable)
     stages = StagePositions(program)
     segments = []
     for step, span in enumerate(segment_spans(program, computed)):
@@ -102,7 +122,7 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
             at_stage = stages.at(span.stage)[visible]
         prefix_slots, copies = table.resolve(visible, at_stage, step)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
-        births = frozen(-2 - tokens, np.int64)
+        births = frozen(table.fresh(tokens.size, step, pinned=False) if compact else -2 - tokens, np.int64)
         positions = program.birth_position[span.start : span.end]
         table.add_births(tokens, positions, births)
         segments.append(
@@ -128,7 +148,7 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         copies = a <= -offset
         return np.where(copies, recolor[np.where(copies, -a - offset, colors.size)], a)
 
-    return DraftPlan(program.n_tokens, n_colors, map_slots(plan, colored))
+    return DraftPlan(program.n_tokens, n_colors, map_slots(plan, colored), table.taken(), compact)
 
 
 def _last_stage_positions(program: ContextProgram, stage: int, tokens: np.ndarray) -> np.ndarray | None:
@@ -140,9 +160,9 @@ def _last_stage_positions(program: ContextProgram, stage: int, tokens: np.ndarra
     return final if final.min(initial=0) >= 0 else None
 
 
-def cold_plan(program: ContextProgram) -> DraftPlan:
+def cold_plan(program: ContextProgram, *, compact: bool = False) -> DraftPlan:
     """The plan on an empty cache: everything read is computed here (the most slots it can need)."""
-    return plan_occurrences(program, MatchResult.empty())
+    return plan_occurrences(program, MatchResult.empty(), compact=compact)
 
 
 def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray, int]:
@@ -197,7 +217,8 @@ class _VersionTable:
     own per token: the birth version it computed and the latest copy it made. Positions only ever
     decrease from stage to stage, so an older copy is never read again by a later step."""
 
-    def __init__(self, program: ContextProgram, match: MatchResult) -> None:
+    def __init__(self, program: ContextProgram, match: MatchResult, compact: bool = False,
+                 takeable: np.ndarray | None = None) -> None:
         n, m = program.n_tokens, match.n_tokens
         tree_width = match.slots.shape[1]
         self.birth_col, self.copy_col = tree_width, tree_width + 1
@@ -206,6 +227,10 @@ class _VersionTable:
         self.slots[:m, :tree_width] = match.slots
         self.positions[:m, :tree_width] = np.where(match.slots >= 0, match.positions, _EMPTY)
         self.used = np.zeros(self.slots.shape, dtype=bool)
+        self.takeable = np.zeros(self.slots.shape, dtype=bool)
+        if compact and takeable is not None and m:
+            self.takeable[:m, :tree_width] = takeable & (match.slots >= 0)
+        self._taken: list[np.ndarray] = []
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
         self.birth = program.birth_position
@@ -260,9 +285,17 @@ class _VersionTable:
         src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), sources.argmax(axis=1))
         src = slots[miss, src_col]
         old = held[miss, src_col]
+        in_place = self.takeable[need, src_col] & ~self.used[need, src_col]
         self.used[need, src_col] = True
         self._touch(src, step)
-        dst = self.fresh(need.size, step, pinned=pinned)
+        dst = np.empty(need.size, dtype=np.int64)
+        dst[~in_place] = self.fresh(int(np.count_nonzero(~in_place)), step, pinned=pinned)
+        if in_place.any():
+            # the old version is gone once rotated: no later step may pick it as a source
+            dst[in_place] = src[in_place]
+            self._taken.append(src[in_place])
+            self.slots[need[in_place], src_col[in_place]] = _EMPTY
+            self.positions[need[in_place], src_col[in_place]] = _EMPTY
         new = positions[miss]
         self.slots[need, self.copy_col] = dst
         self.positions[need, self.copy_col] = new
@@ -276,7 +309,13 @@ class _VersionTable:
         self.positions[tokens, self.birth_col] = positions
 
     def borrowed(self) -> np.ndarray:
-        return frozen(self.slots[:, : self.birth_col][self.used[:, : self.birth_col]], np.int64)
+        """Tree slots the plan reads or rotates in place."""
+        read = self.slots[:, : self.birth_col][self.used[:, : self.birth_col]]
+        return frozen(np.concatenate([read[read >= 0], self.taken()]), np.int64)
+
+    def taken(self) -> np.ndarray:
+        """Tree slots the plan rotates in place."""
+        return frozen(np.concatenate(self._taken) if self._taken else np.zeros(0, np.int64), np.int64)
 
     def _touch(self, slots: np.ndarray, step: int) -> None:
         virtual = -self._offset - slots[slots <= -self._offset]

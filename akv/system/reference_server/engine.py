@@ -159,7 +159,7 @@ class Engine:
         if problem is not None:
             raise RequestError("messages", live_length(program), problem)
         max_new_tokens = min(self.max_context - live_length(program), DEFAULT_MAX_TOKENS) if asked is None else asked
-        prompt_slots = cold_plan(program).n_slots
+        prompt_slots = cold_plan(program, compact=True).n_slots
         if prompt_slots > self.pool.size:
             raise RequestError("messages", program.n_prompt, f"the prompt needs {prompt_slots} KV slots, more than "
                                f"the {self.pool.size} this server holds (maximum context length)")
@@ -273,7 +273,7 @@ class Engine:
             raise EngineBusy(f"the KV pool is held by {self.cache.active} other requests: {exc}") from exc
 
     def _admit_once(self, program: ContextProgram, n_decode: int) -> tuple[ActiveRequest, np.ndarray]:
-        active = self.cache.admit(program)
+        active = self.cache.admit(program, compact=True)
         try:
             return active, self.cache.allocate(n_decode)
         except BaseException:
