@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -110,21 +110,27 @@ class CacheCore:
         Atomic: on :class:`CacheFull` nothing is held. ``held``: the caller has held references on
         the borrowed versions since the draft was planned (an engine's lock), so the plan stands
         whatever else the tree did meanwhile."""
+        return self._commit(draft, held, with_births=False)
+
+    def _commit(self, draft: Draft, held: bool, *, with_births: bool) -> ActiveRequest:
+        """:meth:`commit`; ``with_births`` allocates and binds the births too (one allocation)."""
         if not held and draft.epoch != self.tree.epoch:
             raise RequestStateError(f"draft: planned at tree epoch {draft.epoch}, the tree is at {self.tree.epoch}")
         taken = draft.plan.taken
         if taken.size and (self.pool.request_refs(taken) > (1 if held else 0)).any():
             raise RequestStateError("draft: a version it rotates in place was referenced since it was planned")
         borrowed = draft.plan.plan.borrowed
+        n_births = draft.n_births if with_births else 0
         self.pool.incref(borrowed)
         try:
-            copies = self.allocate(draft.n_copy_slots)
+            fresh = self.allocate(draft.n_copy_slots + n_births)
         except BaseException:
             self.pool.decref(borrowed)
             raise
         if taken.size:
             self.tree.take(draft.key, taken)
-        plan = draft.plan.bind_copies(copies)
+        copies = fresh[: draft.n_copy_slots]
+        plan = draft.plan.bind_copies(copies, fresh[draft.n_copy_slots :] if with_births else None)
         births = np.full(draft.program.n_tokens, -1, dtype=np.int64)
         request = ActiveRequest(next(self._rids), draft.program, draft.key, plan, births)
         self._active[request.rid] = request
@@ -146,24 +152,14 @@ class CacheCore:
     def admit(self, program: ContextProgram, namespace: str = "", *, compact: bool = False) -> ActiveRequest:
         """Match, commit and allocate every birth (``compact``: a compact plan, module docstring). The
         returned plan has only real slots, and its ``fresh`` lists the copy slots and the births."""
-        draft = self.match(program, namespace, compact=compact)
-        request = self.commit(draft)
-        if compact:
-            return request
-        try:
-            births = self.allocate(draft.n_births)
-        except BaseException:
-            self.abort(request)
-            raise
-        request.births[np.flatnonzero(request.plan.computed)] = births
-        plan = request.resolved_plan()
-        plan = replace(plan, fresh=np.concatenate([plan.fresh, births]))
-        request = replace(request, plan=plan, births=np.full(program.n_tokens, -1, dtype=np.int64))
-        self._active[request.rid] = request
-        return request
+        return self._commit(self.match(program, namespace, compact=compact), False, with_births=True)
 
     def allocate(self, n: int) -> np.ndarray:
-        """``n`` fresh slots owned by the caller, evicting tree KV first if the pool is short."""
+        """``n`` fresh slots owned by the caller, evicting tree KV first if the pool is short (and
+        evicting nothing when even that could not make room)."""
+        if n > self.pool.n_free + self.pool.n_evictable:
+            raise CacheFull(f"need {n} slots, {self.pool.n_free} free of {self.pool.size} and "
+                            f"{self.pool.n_evictable} evictable")
         if n > self.pool.n_free:
             self._evict(n)
         try:
