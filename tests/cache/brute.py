@@ -89,10 +89,11 @@ class SimulatedKV:
         for s in slots.tolist():
             self.content.pop(s, None)
 
-    def execute(self, plan: RequestPlan, brute: BruteLayout, pool: SlotPool) -> Trace:
-        """Run ``plan`` against the brute force, asserting every read and write."""
+    def execute(self, plan: RequestPlan, brute: BruteLayout, pool: SlotPool, rewritable: set[int] = frozenset()) -> Trace:
+        """Run ``plan`` against the brute force, asserting every read and write (``rewritable``: tree
+        slots the plan rotates in place)."""
         trace = Trace()
-        private = set(plan.fresh.tolist())
+        private = set(plan.fresh.tolist()) | set(rewritable)
         for segment in plan.segments:
             self._copy(segment.copies, brute, pool, trace, private)
             assert segment.positions.tolist() == list(brute.birth[segment.start : segment.end])

@@ -19,6 +19,7 @@ from akv.agent.templating import template_messages
 from akv.system.context.provenance import ChatTemplate, token_provenance
 from akv.system.models.tiny import make_tiny_model
 from akv.system.reference_server import Engine, ReferenceServer
+from akv.system.reference_server.protocol import DEFAULT_MAX_TOKENS
 from akv.system.reference_server.model_dir import load_model_dir
 import http_client
 
@@ -71,10 +72,31 @@ def test_a_compacted_prompt_has_room_for_the_positions_it_freed(limited: tuple[s
     url, n_prompt, dropped = limited
     assert dropped > 1
     # The same prompt, its next position moved back by the dropped note's length: that many tokens fit.
-    status, reply = post(url, max_tokens=10 * n_prompt, **COMPACTED)
+    status, reply = post(url, max_tokens=dropped, **COMPACTED)
     assert status == 200, reply
     assert reply["usage"]["prompt_tokens"] == n_prompt
     assert reply["usage"]["completion_tokens"] == dropped
     assert reply["choices"][0]["finish_reason"] == "length"
     status, reply = post(url, max_tokens=dropped - 1, **COMPACTED)
     assert status == 200 and reply["usage"]["completion_tokens"] == dropped - 1
+    # Without max_tokens the reply gets the default where it fits, else what fits: never a 400.
+    status, reply = post(url, **COMPACTED)
+    assert status == 200 and reply["usage"]["completion_tokens"] == min(dropped, DEFAULT_MAX_TOKENS)
+
+
+def test_max_tokens_past_the_limit_is_refused_not_shortened(limited: tuple[str, int, int]) -> None:
+    """live length + max_tokens over the context is a 400 on ``messages`` naming the live length (counted
+    from the render: the prompt less the dropped note), the limit and how many tokens to drop; the
+    patched server words it the same (``live_length_problem``)."""
+    url, n_prompt, dropped = limited
+    live = n_prompt - dropped
+    over = 10 * n_prompt
+    status, reply = post(url, max_tokens=over, **COMPACTED)
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    message = reply["error"]["message"]
+    assert f"the live length is {live} tokens" in message
+    assert f"plus max_tokens {over}" in message
+    assert f"maximum context length of {n_prompt} tokens" in message
+    assert f"drop (and reposition) at least {live + over - n_prompt} more tokens or lower max_tokens" in message
+    status, reply = post(url, max_completion_tokens=dropped + 1, **COMPACTED)
+    assert status == 400 and "at least 1 more tokens" in reply["error"]["message"], reply

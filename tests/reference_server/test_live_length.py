@@ -107,5 +107,34 @@ def test_without_drops_the_400_names_messages_and_the_live_length(served: tuple)
     message = reply["error"]["message"]
     assert f"the live length is {text} tokens" in message
     assert f"maximum context length of {CONTEXT} tokens" in message
-    assert f"at least {text + 1 - CONTEXT} more tokens" in message
+    assert f"plus max_tokens {MAX_TOKENS}" in message
+    assert f"at least {text + MAX_TOKENS - CONTEXT} more tokens" in message
     assert engine.cache.active == 0 and engine.pool.n_protected == 0
+
+
+def test_a_pool_smaller_than_the_text_serves_the_live_kv(served: tuple) -> None:
+    """A KV pool of twice the context length (plus the decode slots) holds less than the last turn's
+    text, yet serves it oracle-exact from a cold cache: each step of the prompt reads at most the
+    context length of positions, and a step's re-rotated copies at most as many again, while dropped
+    KV nothing later reads gives its slots back. Nothing stays held afterwards."""
+    _, _, model_dir = served
+    n = len(MESSAGES)
+    prompt = program(model_dir, n, **fields(n))
+    engine = Engine(model_dir, name=MODEL, kv_slots=2 * CONTEXT + MAX_TOKENS)
+    assert prompt.n_tokens > engine.pool.size
+    server = ReferenceServer(engine)
+    with server.running():
+        status, reply = post(server.url, n, **fields(n))
+        assert status == 200, reply
+        entries = reply["choices"][0]["logprobs"]["content"]
+        served_ids = np.asarray([e["token_id"] for e in entries], dtype=np.int64)
+        model = ReferenceModel.from_pretrained(model_dir)
+        rows = run_program(model, append_generated(prompt, served_ids)).log_probs()[prompt.n_prompt - 1:]
+        assert served_ids.tolist() == rows.argmax(-1).tolist()[: served_ids.size]
+        oracle = rows[torch.arange(served_ids.size), torch.from_numpy(served_ids)]
+        assert [e["logprob"] for e in entries] == pytest.approx(oracle.tolist(), abs=1e-4)
+        status, reply = post(server.url, n, reposition=[n - 1])
+        assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert engine.cache.active == 0 and engine.pool.n_protected == 0
+    engine.cache.flush()
+    assert engine.pool.n_free == engine.pool.size

@@ -8,15 +8,18 @@
 - :meth:`CacheCore.finish` publishes the request's KV to the tree, :meth:`CacheCore.abort` does not;
   both release every reference the request holds.
 
-:meth:`CacheCore.admit` does match, commit and every birth at once (engines that allocate up front).
-Slots are freed only when nothing references them.
+:meth:`CacheCore.admit` does match, commit and every birth at once (engines that allocate up front);
+with ``compact`` it plans for an engine that runs the steps in order (births recycled, tree versions
+no one else reads rotated in place: :mod:`akv.system.cache.occurrence`), so the request allocates
+its largest live set, not its whole text plus copies. Slots are freed only when nothing references
+them.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -91,28 +94,43 @@ class CacheCore:
     def epoch(self) -> int:
         return self.tree.epoch
 
-    def match(self, program: ContextProgram, namespace: str = "", *, cold: bool = False) -> Draft:
+    def match(self, program: ContextProgram, namespace: str = "", *, cold: bool = False,
+              compact: bool = False) -> Draft:
         """Match ``program`` against the tree and plan it; takes nothing. ``cold`` plans as if the
-        tree were empty (everything recomputed)."""
+        tree were empty (everything recomputed); ``compact`` makes a compact plan (module docstring),
+        whose in-place versions hold only while nothing else takes a reference before commit."""
         key = program_key(program, namespace)
         match = MatchResult.empty() if cold else self.tree.match(key)
-        return Draft(program, key, match, plan_occurrences(program, match), self.tree.epoch)
+        takeable = self.tree.exclusive(key, match) if compact and match.n_tokens else None
+        plan = plan_occurrences(program, match, compact=compact, takeable=takeable)
+        return Draft(program, key, match, plan, self.tree.epoch)
 
     def commit(self, draft: Draft, *, held: bool = False) -> ActiveRequest:
         """Reference the draft's borrowed versions and allocate its copy slots (evicting as needed).
         Atomic: on :class:`CacheFull` nothing is held. ``held``: the caller has held references on
         the borrowed versions since the draft was planned (an engine's lock), so the plan stands
         whatever else the tree did meanwhile."""
+        return self._commit(draft, held, with_births=False)
+
+    def _commit(self, draft: Draft, held: bool, *, with_births: bool) -> ActiveRequest:
+        """:meth:`commit`; ``with_births`` allocates and binds the births too (one allocation)."""
         if not held and draft.epoch != self.tree.epoch:
             raise RequestStateError(f"draft: planned at tree epoch {draft.epoch}, the tree is at {self.tree.epoch}")
+        taken = draft.plan.taken
+        if taken.size and (self.pool.request_refs(taken) > (1 if held else 0)).any():
+            raise RequestStateError("draft: a version it rotates in place was referenced since it was planned")
         borrowed = draft.plan.plan.borrowed
+        n_births = draft.n_births if with_births else 0
         self.pool.incref(borrowed)
         try:
-            copies = self.allocate(draft.n_copy_slots)
+            fresh = self.allocate(draft.n_copy_slots + n_births)
         except BaseException:
             self.pool.decref(borrowed)
             raise
-        plan = draft.plan.bind_copies(copies)
+        if taken.size:
+            self.tree.take(draft.key, taken)
+        copies = fresh[: draft.n_copy_slots]
+        plan = draft.plan.bind_copies(copies, fresh[draft.n_copy_slots :] if with_births else None)
         births = np.full(draft.program.n_tokens, -1, dtype=np.int64)
         request = ActiveRequest(next(self._rids), draft.program, draft.key, plan, births)
         self._active[request.rid] = request
@@ -131,25 +149,17 @@ class CacheCore:
         self.pool.adopt(slots)
         request.births[tokens] = slots
 
-    def admit(self, program: ContextProgram, namespace: str = "") -> ActiveRequest:
-        """Match, commit and allocate every birth. The returned plan has only real slots, and its
-        ``fresh`` lists the copy slots and the births."""
-        draft = self.match(program, namespace)
-        request = self.commit(draft)
-        try:
-            births = self.allocate(draft.n_births)
-        except BaseException:
-            self.abort(request)
-            raise
-        request.births[np.flatnonzero(request.plan.computed)] = births
-        plan = request.resolved_plan()
-        plan = replace(plan, fresh=np.concatenate([plan.fresh, births]))
-        request = replace(request, plan=plan, births=np.full(program.n_tokens, -1, dtype=np.int64))
-        self._active[request.rid] = request
-        return request
+    def admit(self, program: ContextProgram, namespace: str = "", *, compact: bool = False) -> ActiveRequest:
+        """Match, commit and allocate every birth (``compact``: a compact plan, module docstring). The
+        returned plan has only real slots, and its ``fresh`` lists the copy slots and the births."""
+        return self._commit(self.match(program, namespace, compact=compact), False, with_births=True)
 
     def allocate(self, n: int) -> np.ndarray:
-        """``n`` fresh slots owned by the caller, evicting tree KV first if the pool is short."""
+        """``n`` fresh slots owned by the caller, evicting tree KV first if the pool is short (and
+        evicting nothing when even that could not make room)."""
+        if n > self.pool.n_free + self.pool.n_evictable:
+            raise CacheFull(f"need {n} slots, {self.pool.n_free} free of {self.pool.size} and "
+                            f"{self.pool.n_evictable} evictable")
         if n > self.pool.n_free:
             self._evict(n)
         try:
@@ -202,22 +212,31 @@ class CacheCore:
 
 def _own_versions(program: ContextProgram, plan: RequestPlan,
                   generated_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(token, position, slot) of every version the request publishes: its births, the versions it
-    made that generation reads, and generated KV. Copies only earlier stages read are historical;
-    their slots may have been recycled within the request."""
+    """(token, position, slot) of every version the request publishes: its births and the versions
+    it made (copied, or rotated in place) that generation reads, and generated KV; each slot with
+    what it holds at the end, its last write (copies only earlier steps read are historical, and a
+    recycled slot holds only its last version)."""
     n = program.n_tokens
     terminal = plan.terminal
-    made = np.isin(terminal.slots, plan.fresh)
-    tokens = [np.arange(s.start, s.end) for s in plan.segments] + [terminal.tokens[made]]
-    positions = [s.positions for s in plan.segments] + [terminal.positions[made]]
-    slots = [s.slots for s in plan.segments] + [terminal.slots[made]]
-    tokens.append(n + np.arange(generated_slots.size))
-    positions.append(program.next_position + np.arange(generated_slots.size))
-    slots.append(generated_slots)
+    tokens, positions, slots, kept = [], [], [], []
+    for job, births in [(s.copies, s) for s in plan.segments] + [(terminal.copies, None)]:
+        tokens.append(job.tokens)
+        positions.append(job.new_positions)
+        slots.append(job.dst)
+        kept.append(np.isin(job.dst, terminal.slots))
+        if births is not None:
+            tokens.append(np.arange(births.start, births.end))
+            positions.append(births.positions)
+            slots.append(births.slots)
+            kept.append(np.ones(births.n_queries, dtype=bool))
     all_slots = np.concatenate(slots).astype(np.int64)
-    _, first = np.unique(all_slots, return_index=True)
-    return (np.concatenate(tokens).astype(np.int64)[first], np.concatenate(positions).astype(np.int64)[first],
-            all_slots[first])
+    last = all_slots.size - 1 - np.unique(all_slots[::-1], return_index=True)[1]
+    last = last[np.concatenate(kept)[last]]
+    out_tokens = np.concatenate(tokens).astype(np.int64)[last]
+    out_positions = np.concatenate(positions).astype(np.int64)[last]
+    return (np.concatenate([out_tokens, n + np.arange(generated_slots.size)]),
+            np.concatenate([out_positions, program.next_position + np.arange(generated_slots.size)]),
+            np.concatenate([all_slots[last], generated_slots]).astype(np.int64))
 
 
 def _as_table(n: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

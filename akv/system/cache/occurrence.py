@@ -8,17 +8,33 @@ recovery module decides which.
 
 Fresh slots are numbered virtually while planning: ``-2 - t`` is the birth slot of token ``t``
 (an engine allocates births itself, chunk by chunk, and binds them as they are written) and
-``-2 - n_tokens - k`` is the ``k``-th copy slot. A copy that only earlier segments read is dead
-afterwards (positions only decrease), so its slot is recycled for a later segment's copies: a
-request needs the peak, not the sum, of its live copies. Births and what generation reads live to
+``-2 - n_tokens - k`` is the ``k``-th copy. A copy that only earlier segments read is dead
+afterwards (positions only decrease), so its slot is recycled for a later segment's copies
+(``DraftPlan.colors`` says which copies share a slot): a request needs the peak, not the sum, of
+its live copies. Births and what generation reads live to
 the end and are published. Copy slots are bound when the request is committed, so an engine
 budgets (and evicts for) one allocation before anything changes.
+
+A *compact* plan (for engines that run the steps one after another: each segment's copies and
+forward, in order, before the next segment's, then the terminal copies) also needs no more than
+the request's largest live set at once:
+
+- births are numbered like copies (``-2 - n_tokens - k``), so a birth no later step reads (a dropped
+  token after its last reader) gives its slot to a later birth or copy;
+- a copy whose source is a tree version that ``takeable`` marks (no other request or tree path
+  reads it) and that no earlier step of this request read goes *in place*: ``dst == src``, the
+  slot is rotated where it is and listed in ``taken`` (the core takes it from the tree at commit).
+  The rule that makes this safe in any engine: the old version is read by nothing but the copy,
+  neither by another reader nor by any segment of this request (the copies of a step may run
+  before the attention of earlier segments when an engine batches several segments into one
+  forward). Recycled births are not safe there: an engine that writes several segments' births in
+  one forward must not use a compact plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,35 +55,49 @@ class PlanningError(RuntimeError):
 
 @dataclass(frozen=True)
 class DraftPlan:
-    """A plan with virtual slots (module docstring): births ``-2 - t``, copies ``-2 - n_tokens - k``
-    for ``k < n_copy_slots``."""
+    """A plan with virtual slots (module docstring): births ``-2 - t``, versions ``-2 - n_tokens - k``
+    sharing copy slot ``colors[k] < n_copy_slots``."""
 
     n_tokens: int
     n_copy_slots: int
     plan: RequestPlan
+    colors: np.ndarray
+    taken: np.ndarray = field(default_factory=lambda: frozen(np.zeros(0, np.int64), np.int64))
+    compact: bool = False
 
     @property
     def n_births(self) -> int:
-        return int(self.plan.computed.sum())
+        """Birth slots the engine allocates (none in a compact plan: its births are copy slots)."""
+        return 0 if self.compact else int(self.plan.computed.sum())
 
     @property
     def n_slots(self) -> int:
         """Fresh slots the request needs: its births and its copy slots."""
         return self.n_births + self.n_copy_slots
 
-    def bind_copies(self, copy_slots: np.ndarray) -> RequestPlan:
-        """The plan with copy ids replaced by ``copy_slots`` (real, in order); births stay virtual."""
+    def bind_copies(self, copy_slots: np.ndarray, births: np.ndarray | None = None) -> RequestPlan:
+        """The plan with copy ids replaced by ``copy_slots`` (real, in order) and, when ``births``
+        (one entry per computed token, in order) is given, birth ids by those; otherwise births stay
+        virtual. ``fresh`` lists the slots given."""
         copy_slots = np.asarray(copy_slots, dtype=np.int64)
         if copy_slots.shape != (self.n_copy_slots,):
             raise ValueError(f"copy_slots: expected {self.n_copy_slots} slots, got shape {copy_slots.shape}")
-        table = np.append(copy_slots, _EMPTY)
-        offset = 2 + self.n_tokens
+        lookup = np.empty(self.n_tokens + self.colors.size, dtype=np.int64)
+        lookup[: self.n_tokens] = -2 - np.arange(self.n_tokens, dtype=np.int64)
+        fresh = copy_slots
+        if births is not None and not self.compact:  # a compact plan's births are copy slots
+            births = np.asarray(births, dtype=np.int64)
+            lookup[: self.n_tokens][self.plan.computed] = births
+            fresh = np.concatenate([copy_slots, births])
+        lookup[self.n_tokens :] = copy_slots[self.colors]
 
         def real(a: np.ndarray) -> np.ndarray:
-            copies = a <= -offset
-            return np.where(copies, table[np.where(copies, -a - offset, self.n_copy_slots)], a)
+            virtual = a <= -2
+            if not virtual.any():
+                return a
+            return np.where(virtual, lookup[np.where(virtual, -2 - a, 0)], a)
 
-        return replace(map_slots(self.plan, real), fresh=frozen(copy_slots.copy(), np.int64))
+        return replace(map_slots(self.plan, real), fresh=frozen(fresh, np.int64))
 
 
 def bind_births(plan: RequestPlan, births: np.ndarray) -> RequestPlan:
@@ -79,6 +109,8 @@ def bind_births(plan: RequestPlan, births: np.ndarray) -> RequestPlan:
 def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
     """Real slots for ``slots``: virtual birth ids ``-2 - t`` become ``births[t]``."""
     virtual = (slots <= -2) & (slots > -2 - births.shape[0])
+    if not virtual.any():
+        return slots
     out = np.where(virtual, births[np.where(virtual, -2 - slots, 0)], slots)
     unbound = virtual & (out < 0)
     if unbound.any():
@@ -86,13 +118,15 @@ def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
     return out
 
 
-def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
-    """Plan ``program`` against the versions ``match`` found resident."""
+def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bool = False,
+                     takeable: np.ndarray | None = None) -> DraftPlan:
+    """Plan ``program`` against the versions ``match`` found resident; ``compact`` (module docstring)
+    recycles births and rotates in place the versions ``takeable`` (``match.slots``' shape) marks."""
     if match.n_tokens > program.n_tokens:
         raise ValueError(f"match: {match.n_tokens} matched tokens exceed the program's {program.n_tokens}")
     resident = match.resident
     computed = needed_queries(program, resident)
-    table = _VersionTable(program, match)
+    table = _VersionTable(program, match, compact, takeable)
     stages = StagePositions(program)
     segments = []
     for step, span in enumerate(segment_spans(program, computed)):
@@ -102,7 +136,7 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
             at_stage = stages.at(span.stage)[visible]
         prefix_slots, copies = table.resolve(visible, at_stage, step)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
-        births = frozen(-2 - tokens, np.int64)
+        births = frozen(table.fresh(tokens.size, step, pinned=False) if compact else -2 - tokens, np.int64)
         positions = program.birth_position[span.start : span.end]
         table.add_births(tokens, positions, births)
         segments.append(
@@ -111,7 +145,12 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
         )
     kept = np.flatnonzero(program.keep)
     final = program.final_position[kept]
-    terminal_slots, terminal_copies = table.resolve(kept, final, len(segments), pinned=True)
+    reused = _terminal_as_last_segment(program, segments, kept, final)
+    if reused is None:
+        terminal_slots, terminal_copies = table.resolve(kept, final, len(segments), pinned=True)
+    else:
+        terminal_slots, terminal_copies = reused, CopyJob(*(frozen(np.zeros(0, np.int64), np.int64),) * 5)
+        table.pin(reused)
     terminal = TerminalView(frozen(kept, np.int64), terminal_slots, frozen(final, np.int64), terminal_copies,
                             program.next_position)
     from_tree = np.zeros(program.n_tokens, dtype=bool)
@@ -121,14 +160,25 @@ def plan_occurrences(program: ContextProgram, match: MatchResult) -> DraftPlan:
     plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), frozen(np.zeros(0, np.int64), np.int64),
                        frozen(computed, bool), usage)
     colors, n_colors = recycle_slots(table.created(), table.last_use())
-    offset = 2 + program.n_tokens
-    recolor = np.append(-offset - colors, _EMPTY)
+    return DraftPlan(program.n_tokens, n_colors, plan, frozen(colors, np.int64), table.taken(), compact)
 
-    def colored(a: np.ndarray) -> np.ndarray:
-        copies = a <= -offset
-        return np.where(copies, recolor[np.where(copies, -a - offset, colors.size)], a)
 
-    return DraftPlan(program.n_tokens, n_colors, map_slots(plan, colored))
+def _terminal_as_last_segment(program: ContextProgram, segments: list[Segment], kept: np.ndarray,
+                              final: np.ndarray) -> np.ndarray | None:
+    """The terminal view's slots when generation reads exactly what the last segment's last query
+    reads (the usual next turn: one segment at the last stage, ending the program, after the last
+    Drop), so the terminal needs no resolving of its own; None otherwise."""
+    if not segments:
+        return None
+    last = segments[-1]
+    n_prefix = last.prefix_tokens.size
+    if last.end != program.n_tokens or last.stage != program.n_stages - 1 or kept.size != n_prefix + last.n_queries:
+        return None
+    if not (np.array_equal(kept[:n_prefix], last.prefix_tokens) and kept[n_prefix] == last.start
+            and np.array_equal(final[:n_prefix], last.prefix_positions)
+            and np.array_equal(final[n_prefix:], last.positions)):
+        return None
+    return frozen(np.concatenate([last.prefix_slots, last.slots]), np.int64)
 
 
 def _last_stage_positions(program: ContextProgram, stage: int, tokens: np.ndarray) -> np.ndarray | None:
@@ -140,9 +190,9 @@ def _last_stage_positions(program: ContextProgram, stage: int, tokens: np.ndarra
     return final if final.min(initial=0) >= 0 else None
 
 
-def cold_plan(program: ContextProgram) -> DraftPlan:
+def cold_plan(program: ContextProgram, *, compact: bool = False) -> DraftPlan:
     """The plan on an empty cache: everything read is computed here (the most slots it can need)."""
-    return plan_occurrences(program, MatchResult.empty())
+    return plan_occurrences(program, MatchResult.empty(), compact=compact)
 
 
 def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray, int]:
@@ -192,12 +242,25 @@ def map_slots(plan: RequestPlan, fn: Callable[[np.ndarray], np.ndarray]) -> Requ
     return replace(plan, segments=segments, terminal=terminal)
 
 
+def _first_true(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of a 2-D mask: whether any entry is set, and the first set column (0 if none);
+    column by column, as the tables have a few columns (``argmax(axis=1)`` is ~10x slower there)."""
+    found = np.zeros(mask.shape[0], dtype=bool)
+    col = np.zeros(mask.shape[0], dtype=np.int64)
+    for j in range(mask.shape[1] - 1, -1, -1):
+        column = mask[:, j]
+        col[column] = j
+        found |= column
+    return found, col
+
+
 class _VersionTable:
     """The request's view of every token's versions: the tree's (from the match), then two of its
     own per token: the birth version it computed and the latest copy it made. Positions only ever
     decrease from stage to stage, so an older copy is never read again by a later step."""
 
-    def __init__(self, program: ContextProgram, match: MatchResult) -> None:
+    def __init__(self, program: ContextProgram, match: MatchResult, compact: bool = False,
+                 takeable: np.ndarray | None = None) -> None:
         n, m = program.n_tokens, match.n_tokens
         tree_width = match.slots.shape[1]
         self.birth_col, self.copy_col = tree_width, tree_width + 1
@@ -206,6 +269,11 @@ class _VersionTable:
         self.slots[:m, :tree_width] = match.slots
         self.positions[:m, :tree_width] = np.where(match.slots >= 0, match.positions, _EMPTY)
         self.used = np.zeros(self.slots.shape, dtype=bool)
+        self.takeable: np.ndarray | None = None
+        if compact and takeable is not None and m:
+            self.takeable = np.zeros(self.slots.shape, dtype=bool)
+            self.takeable[:m, :tree_width] = takeable & (match.slots >= 0)
+        self._taken: list[np.ndarray] = []
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
         self.birth = program.birth_position
@@ -238,12 +306,10 @@ class _VersionTable:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
         version exists (``pinned`` copies live to the end)."""
         slots, held = np.take(self.slots, tokens, axis=0), np.take(self.positions, tokens, axis=0)
-        valid = slots != _EMPTY
-        exact = valid & (held == positions[:, None])
-        col = exact.argmax(axis=1)
+        exact = held == positions[:, None]  # an empty cell holds position -1, never read
+        found, col = _first_true(exact)
         width = slots.shape[1]
         cell = np.arange(tokens.size) * width + col
-        found = np.take(exact.reshape(-1), cell)
         out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
         hit = np.flatnonzero(found)
         self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
@@ -252,7 +318,7 @@ class _VersionTable:
         self._touch(out[hit], _FOREVER if pinned else step)
         miss = np.flatnonzero(~found)
         need = tokens[miss]
-        sources = valid[miss]
+        sources = slots[miss] != _EMPTY
         has_source = sources.any(axis=1)
         if not has_source.all():
             raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
@@ -260,9 +326,19 @@ class _VersionTable:
         src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), sources.argmax(axis=1))
         src = slots[miss, src_col]
         old = held[miss, src_col]
+        in_place = None if self.takeable is None else self.takeable[need, src_col] & ~self.used[need, src_col]
         self.used[need, src_col] = True
         self._touch(src, step)
-        dst = self.fresh(need.size, step, pinned=pinned)
+        if in_place is None or not in_place.any():
+            dst = self.fresh(need.size, step, pinned=pinned)
+        else:
+            dst = np.empty(need.size, dtype=np.int64)
+            dst[~in_place] = self.fresh(int(np.count_nonzero(~in_place)), step, pinned=pinned)
+            # the old version is gone once rotated: no later step may pick it as a source
+            dst[in_place] = src[in_place]
+            self._taken.append(src[in_place])
+            self.slots[need[in_place], src_col[in_place]] = _EMPTY
+            self.positions[need[in_place], src_col[in_place]] = _EMPTY
         new = positions[miss]
         self.slots[need, self.copy_col] = dst
         self.positions[need, self.copy_col] = new
@@ -276,7 +352,21 @@ class _VersionTable:
         self.positions[tokens, self.birth_col] = positions
 
     def borrowed(self) -> np.ndarray:
-        return frozen(self.slots[:, : self.birth_col][self.used[:, : self.birth_col]], np.int64)
+        """Tree slots the plan reads or rotates in place."""
+        cells = np.flatnonzero(self.used.reshape(-1))
+        cells = cells[cells % self.slots.shape[1] < self.birth_col]
+        read = self.slots.reshape(-1)[cells]
+        if not self._taken:
+            return frozen(read, np.int64)
+        return frozen(np.concatenate([read[read >= 0], self.taken()]), np.int64)
+
+    def taken(self) -> np.ndarray:
+        """Tree slots the plan rotates in place."""
+        return frozen(np.concatenate(self._taken) if self._taken else np.zeros(0, np.int64), np.int64)
+
+    def pin(self, slots: np.ndarray) -> None:
+        """Generation reads ``slots``: the versions in them live to the end."""
+        self._touch(slots, _FOREVER)
 
     def _touch(self, slots: np.ndarray, step: int) -> None:
         virtual = -self._offset - slots[slots <= -self._offset]

@@ -28,7 +28,10 @@ class MatchResult:
     @property
     def resident(self) -> np.ndarray:
         """Per matched token: at least one version is resident."""
-        return (self.slots >= 0).any(axis=1)
+        out = self.slots[:, 0] >= 0 if self.slots.shape[1] else np.zeros(self.n_tokens, dtype=bool)
+        for j in range(1, self.slots.shape[1]):  # by column: any(axis=1) over a few columns is ~10x slower
+            out |= self.slots[:, j] >= 0
+        return out
 
     @classmethod
     def empty(cls) -> MatchResult:

@@ -39,14 +39,18 @@ def needed_queries(program: ContextProgram, resident: np.ndarray) -> np.ndarray:
     missing[: resident.shape[0]] = ~resident
     needed = missing & program.keep
     needed[n - 1] = True
-    index = np.arange(n, dtype=np.int64)
-    while True:
-        after = np.minimum.accumulate(np.where(needed, index, n)[::-1])[::-1]
-        next_reader = np.append(after[1:], n)
-        grown = needed | (missing & (next_reader < program.visible_until))
-        if (grown == needed).all():
-            return needed
-        needed = grown
+    # a missing token not needed yet becomes needed once a needed query after it reads it
+    candidates = np.flatnonzero(missing & ~needed)
+    while candidates.size:
+        readers = np.flatnonzero(needed)
+        after = np.searchsorted(readers, candidates, side="right")
+        next_reader = np.where(after < readers.size, readers[np.minimum(after, readers.size - 1)], n)
+        grow = next_reader < program.visible_until[candidates]
+        if not grow.any():
+            break
+        needed[candidates[grow]] = True
+        candidates = candidates[~grow]
+    return needed
 
 
 def segment_spans(program: ContextProgram, needed: np.ndarray) -> tuple[SegmentSpan, ...]:

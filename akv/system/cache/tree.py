@@ -132,6 +132,78 @@ class RadixTree:
         slots, positions = _gather(parts, key.token_record[:n_tokens])
         return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
 
+    def exclusive(self, key: RecordKey, match: MatchResult) -> np.ndarray:
+        """Which versions of ``match`` (a match of ``key``, ``match.slots``' shape) only a request
+        continuing ``key`` could read: no request references the slot, and no recorded path reads
+        it, except the path ending at the leaf the match covers whole (the request's own earlier
+        turn, whose end its publication replaces)."""
+        out = np.zeros(match.slots.shape, dtype=bool)
+        parts = self._path(key)
+        rows = key.token_record[: match.n_tokens]
+        if not parts or rows.size == 0:
+            return out
+        lengths = np.asarray([common for _, common in parts], dtype=np.int64)
+        ends = np.cumsum(lengths)
+        which = np.searchsorted(ends, rows, side="right")
+        leaf, common = parts[-1]
+        end_reads = None
+        if (common == leaf.key.shape[0] and not leaf.children and leaf.terminal is not None
+                and leaf.terminal.size >= match.n_tokens):
+            end_reads = leaf.terminal[: match.n_tokens]
+        slots, positions = match.slots, match.positions
+        free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
+        for p, (node, _) in enumerate(parts):
+            tokens = np.flatnonzero(which == p)
+            if tokens.size == 0:
+                continue
+            local = rows[tokens] - (ends[p] - lengths[p])
+            read_pos, read_cnt = node.read_pos[local], node.read_cnt[local]
+            counts = ((positions[tokens][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
+            alone = counts == 0
+            if end_reads is not None:
+                alone |= (counts == 1) & (positions[tokens] == end_reads[tokens][:, None])
+            out[tokens] = free[tokens] & alone
+        return out
+
+    def take(self, key: RecordKey, slots: np.ndarray) -> None:
+        """Give up the tree's versions held in ``slots`` (each a version of a token of ``key``'s
+        matched path; a request holds them and rotates them in place, publishing them again when
+        it finishes)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size == 0:
+            return
+        found = 0
+        for node, common in self._path(key):
+            cells = np.isin(node.slots[:common], slots)
+            if cells.any():
+                found += int(np.count_nonzero(cells))
+                node.slots[:common][cells] = _EMPTY
+                node.positions[:common][cells] = _EMPTY
+                self._dirty.add(node)
+        if found != slots.size:
+            raise TreeError(f"slots: {slots.size - found} of the {slots.size} slots to take are not on the key's path")
+        self.pool.tree_decref(slots)
+        self.epoch += 1
+
+    def _path(self, key: RecordKey) -> list[tuple[TreeNode, int]]:
+        """The nodes ``key`` runs through and how many of each one's records it matches (as
+        :meth:`match`, without touching them)."""
+        node = self._root(key.namespace)
+        records = key.records
+        parts: list[tuple[TreeNode, int]] = []
+        i = 0
+        while i < records.shape[0]:
+            child = node.children.get(int(records[i]))
+            if child is None:
+                break
+            common = _common_prefix(child.key, records[i:])
+            parts.append((child, common))
+            i += common
+            if common < child.key.shape[0]:
+                break
+            node = child
+        return parts
+
     def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> np.ndarray:
         """Publish versions for ``key``'s tokens: ``slots[t, j]`` at ``positions[t, j]`` (-1 = none).
 

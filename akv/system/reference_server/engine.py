@@ -46,7 +46,7 @@ from akv.system.reference.executor import PagedKV, run_prefill
 from akv.system.reference.loading import load_reference_model
 from akv.system.reference.paged import forward_paged
 from akv.system.reference_server.model_dir import ModelDir, load_model_dir
-from akv.system.reference_server.protocol import ChatRequest, RequestError
+from akv.system.reference_server.protocol import DEFAULT_MAX_TOKENS, ChatRequest, RequestError
 from akv.system.reference_server.responses import PromptUsage, TokenChoice, TokenStep
 from akv.system.reference_server.sampling import Sampler
 from akv.system.reference_server.text import TextTracker
@@ -65,7 +65,7 @@ class EngineBusy(RuntimeError):
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request rendered and compiled, ready to run; ``max_new_tokens`` respects the context limit,
+    """A request rendered and compiled, ready to run; ``max_new_tokens`` fits the context length,
     and ``kv_slots`` (what a cold start of the request takes, decode included) fits the pool."""
 
     program: ContextProgram
@@ -154,18 +154,19 @@ class Engine:
         except (jinja2.TemplateError, TypeError, ValueError, LookupError) as exc:  # input the template cannot take
             raise RequestError("messages", f"{len(messages)} messages",
                                f"the chat template cannot render them: {exc}") from exc
-        problem = live_length_problem(program, None, self.max_context)
+        asked = request.sampling.max_tokens
+        problem = live_length_problem(program, asked, self.max_context)
         if problem is not None:
             raise RequestError("messages", live_length(program), problem)
-        max_new_tokens = min(self.max_context - live_length(program), request.sampling.max_tokens)
-        prompt_slots = cold_plan(program).n_slots
+        max_new_tokens = min(self.max_context - live_length(program), DEFAULT_MAX_TOKENS) if asked is None else asked
+        prompt_slots = cold_plan(program, compact=True).n_slots
         if prompt_slots > self.pool.size:
             raise RequestError("messages", program.n_prompt, f"the prompt needs {prompt_slots} KV slots, more than "
                                f"the {self.pool.size} this server holds (maximum context length)")
         kv_slots = prompt_slots + max_new_tokens - 1  # the last generated token gets no KV
         if kv_slots > self.pool.size:
             field = request.sampling.max_tokens_field
-            raise RequestError(field, request.sampling.max_tokens, f"the prompt takes {prompt_slots} of the "
+            raise RequestError(field, max_new_tokens, f"the prompt takes {prompt_slots} of the "
                                f"{self.pool.size} KV slots this server holds, room for at most "
                                f"{self.pool.size - prompt_slots + 1} new tokens")
         return Prepared(program, max_new_tokens, kv_slots)
@@ -273,7 +274,7 @@ class Engine:
             raise EngineBusy(f"the KV pool is held by {self.cache.active} other requests: {exc}") from exc
 
     def _admit_once(self, program: ContextProgram, n_decode: int) -> tuple[ActiveRequest, np.ndarray]:
-        active = self.cache.admit(program)
+        active = self.cache.admit(program, compact=True)
         try:
             return active, self.cache.allocate(n_decode)
         except BaseException:

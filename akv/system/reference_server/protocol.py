@@ -61,12 +61,13 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick each token: greedy when ``temperature == 0``."""
+    """How to pick each token: greedy when ``temperature == 0``. ``max_tokens`` is None when the
+    request did not bound its reply (it then gets up to ``DEFAULT_MAX_TOKENS``, as many as fit)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     max_tokens_field: str = "max_tokens"
 
@@ -226,7 +227,7 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
     low, high = SEED_RANGE
     if seed is not None and (type(seed) is not int or not low <= seed <= high):
         raise RequestError("seed", _short(seed), "expected an int in [-2**63, 2**64 - 1]")
-    max_tokens, max_tokens_field = DEFAULT_MAX_TOKENS, "max_tokens"
+    max_tokens, max_tokens_field = None, "max_tokens"
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if value is not None:

@@ -1,0 +1,183 @@
+"""Compact plans (``CacheCore.admit(..., compact=True)``): a request allocates its largest live set,
+not its whole text plus copies. Dropped KV no later step reads gives its slot to later KV, and a
+tree version only this request could read is re-rotated where it is (no copy slot) and published at
+its new position, so the next turn reads it cached. Checked by hand-counted slots, against the
+brute-force KV simulator and against the oracle on the tiny model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from akv.system.cache.core import CacheCore, CacheFull
+from akv.system.cache.occurrence import cold_plan
+from akv.system.cache.pool import SlotPool
+from akv.system.context.compiler import append_generated
+from akv.system.reference.executor import PagedKV, run_decode, run_prefill
+from akv.system.reference.model import ReferenceModel
+from akv.system.reference.oracle import run_program
+
+from .brute import Interner, SimulatedKV, brute_layout
+from .conversations import Conversation, conversations
+from .kernel_contract import assert_kernel_accepts
+
+MESSAGES = ((1, 2), (3, 4), (5, 6), (7, 8), (9,))
+TOL = 2e-5
+
+
+def _in_place(plan) -> set[int]:
+    """Slots a plan rotates where they are: copy jobs whose source is their destination."""
+    return {int(d) for job in plan.copies for s, d in zip(job.src, job.dst) if s == d}
+
+
+def test_a_repositioned_turn_rotates_in_place_and_the_next_turn_reads_it_cached() -> None:
+    """Turn 2 (messages 0..2) is served plainly; turn 3 drops message 1 and repositions, moving
+    tokens 4, 5 from positions 4, 5 to 2, 3. Nothing else reads them at 4, 5, so they are rotated in
+    place: turn 3 takes two slots (message 3's tokens 6, 7), not four. Turn 4 reads them cached."""
+    pool = SlotPool(64)
+    core = CacheCore(pool)
+    core.finish(core.admit(Conversation(MESSAGES, {}, ()).program(2), compact=True))
+    held = pool.n_held
+    agent = Conversation(MESSAGES, {2: (1,)}, (2,))
+    free = pool.n_free
+    request = core.admit(agent.program(3), compact=True)
+    assert free - pool.n_free == 2, "message 3's two births and nothing else"
+    (segment,) = request.plan.segments
+    copies = segment.copies
+    assert copies.tokens.tolist() == [4, 5] and copies.src.tolist() == copies.dst.tolist()
+    assert copies.old_positions.tolist() == [4, 5] and copies.new_positions.tolist() == [2, 3]
+    assert request.plan.usage.as_dict() == {"cached_tokens": 2, "repos_tokens": 2, "drop_skipped_tokens": 2}
+    core.finish(request)
+    assert pool.n_held == held + 2, "the rotated slots are published again, not duplicated"
+    nxt = core.admit(agent.program(4), compact=True)
+    assert not any(job.size for job in nxt.plan.copies), "repositioned again"
+    assert nxt.plan.usage.as_dict() == {"cached_tokens": 6, "repos_tokens": 0, "drop_skipped_tokens": 2}
+    core.finish(nxt)
+    core.flush()
+    assert pool.n_free == pool.size
+
+
+def test_a_sibling_that_reads_the_old_positions_keeps_them_and_the_request_copies() -> None:
+    """A branch that continues turn 2 without the drop was published: it reads tokens 4, 5 at 4, 5,
+    so turn 3 copies them into two new slots (four slots in all) and the branch's next turn still
+    reads its own versions cached."""
+    pool = SlotPool(64)
+    core = CacheCore(pool)
+    plain = Conversation(MESSAGES, {}, ())
+    sibling = Conversation(MESSAGES[:3] + ((11, 12), (13,)), {}, ())
+    core.finish(core.admit(plain.program(2), compact=True))
+    core.finish(core.admit(sibling.program(3), compact=True))
+    free = pool.n_free
+    request = core.admit(Conversation(MESSAGES, {2: (1,)}, (2,)).program(3), compact=True)
+    assert free - pool.n_free == 4 and not _in_place(request.plan)
+    core.finish(request)
+    branch = core.admit(sibling.program(4), compact=True)
+    assert np.flatnonzero(branch.plan.computed).tolist() == [sibling.program(4).n_tokens - 1]
+    assert branch.plan.usage.cached_tokens == sibling.program(3).n_tokens
+    core.finish(branch)
+
+
+def test_a_request_holding_the_old_version_keeps_it() -> None:
+    """While another request reads tokens 4, 5 at 4, 5, turn 3 copies them instead."""
+    core = CacheCore(SlotPool(64))
+    core.finish(core.admit(Conversation(MESSAGES, {}, ()).program(2), compact=True))
+    reader = core.admit(Conversation(MESSAGES, {}, ()).program(3), compact=True)
+    request = core.admit(Conversation(MESSAGES, {2: (1,)}, (2,)).program(3), compact=True)
+    assert not _in_place(request.plan) and request.plan.fresh.size == 4
+    core.finish(request)
+    core.finish(reader)
+
+
+def test_dropped_kv_gives_its_slots_to_later_turns() -> None:
+    """Each turn of a cold request drops the turn before it: the request needs its live part at
+    once, fewer slots than tokens; the same text without drops needs one slot per token."""
+    turns = tuple((10 + i, 20 + i, 30 + i) for i in range(8))
+    rolling = Conversation(turns, {a: (a - 1,) for a in range(2, 8)}, ())
+    program = rolling.program(7)
+    # step k reads messages k-1 and k (three tokens each) and message 0; dropped messages are dead
+    assert cold_plan(program, compact=True).n_slots == 9 < program.n_tokens == 24
+    assert cold_plan(program).n_slots == 24
+    pool = SlotPool(10)
+    core = CacheCore(pool)
+    request = core.admit(program, compact=True)
+    assert pool.n_free == 1
+    core.finish(request)
+    with pytest.raises(CacheFull):
+        core.admit(Conversation(turns, {}, ()).program(7), compact=True)
+    assert core.active == 0 and pool.n_protected == 0
+    core.flush()
+    assert pool.n_free == pool.size
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversations(max_messages=8), conversations(max_messages=8))
+def test_compact_plans_read_what_the_brute_force_reads(first: Conversation, second: Conversation) -> None:
+    """Every turn of two conversations, alternately and each turn twice (a retry), through compact
+    plans: every read holds exactly the KV the query needs, writes go only to the request's own or
+    taken slots, and nothing leaks."""
+    kv = SimulatedKV()
+    pool = SlotPool(400, on_free=kv.forget)
+    core = CacheCore(pool)
+    intern = Interner()
+    order = [(c, t) for t in range(8) for c in (first, second) if t < c.n_turns for _ in range(2)]
+    for conv, turn in order:
+        program = conv.program(turn)
+        request = core.admit(program, compact=True)
+        plan = request.plan
+        taken = _in_place(plan)
+        trace = kv.execute(plan, brute_layout(program, intern), pool, rewritable=taken)
+        for job in plan.copies:
+            assert_kernel_accepts(job, pool.size)
+        assert trace.written == set(plan.fresh.tolist()) | taken
+        assert plan.fresh.size <= cold_plan(program).n_slots
+        reply = conv.reply(turn)
+        slots = core.allocate(reply.size)
+        kv.write_generated(slots, brute_layout(append_generated(program, reply), intern), program.n_tokens, pool)
+        core.finish(request, reply, slots)
+    core.flush()
+    assert pool.n_free == pool.size and not kv.content
+
+
+def _run_turn(model: ReferenceModel, core: CacheCore, kv: PagedKV, conv: Conversation, turn: int) -> set[int]:
+    """Serve one turn through a compact plan, every computed query and decode step against the
+    oracle; returns the slots it rotated in place."""
+    program = conv.program(turn)
+    request = core.admit(program, compact=True)
+    logits = run_prefill(model, program, request.plan, kv)
+    expected = run_program(model, program).log_probs()
+    for t in np.flatnonzero(request.plan.computed).tolist():
+        torch.testing.assert_close(torch.log_softmax(logits[t], -1), expected[t], atol=TOL, rtol=0)
+    reply = conv.reply(turn)
+    slots = core.allocate(reply.size)
+    decoded = torch.log_softmax(run_decode(model, request.plan, kv, reply, slots), -1)
+    extended = run_program(model, append_generated(program, reply)).log_probs()
+    torch.testing.assert_close(decoded, extended[program.n_tokens :], atol=TOL, rtol=0)
+    core.finish(request, reply, slots)
+    return _in_place(request.plan)
+
+
+def test_compact_turns_and_a_sibling_match_the_oracle(tiny_qwen3: ReferenceModel) -> None:
+    """A rolling conversation longer than the pool (each turn drops the one before and repositions)
+    served cold and turn by turn, then a sibling branch that reads the old positions, each query
+    against the oracle; in-place rotation happened, and the pool is whole afterwards."""
+    rng = np.random.default_rng(4)
+    turns = tuple(tuple(rng.integers(0, 512, size=5).tolist()) for _ in range(9))
+    rolling = Conversation(turns, {a: (a - 1,) for a in range(2, 9)}, tuple(range(2, 9)))
+    pool_size = 32
+    assert rolling.program(8).n_tokens > pool_size
+    core = CacheCore(SlotPool(pool_size))
+    kv = PagedKV.empty(tiny_qwen3, pool_size + 1)
+    _run_turn(tiny_qwen3, core, kv, rolling, 8)  # cold: the whole text through a pool smaller than it
+    core.flush()
+    rotated = [_run_turn(tiny_qwen3, core, kv, rolling, turn) for turn in range(9)]
+    assert all(rotated[2:]), "a turn copied what only it reads"
+    sibling = Conversation(turns[:5] + tuple(tuple(rng.integers(0, 512, size=3).tolist()) for _ in range(2)),
+                           {a: (a - 1,) for a in range(2, 5)}, tuple(range(2, 5)))
+    for turn in (5, 6):
+        _run_turn(tiny_qwen3, core, kv, sibling, turn)
+    _run_turn(tiny_qwen3, core, kv, rolling, 8)
+    assert core.active == 0 and core.pool.n_protected == 0
+    core.flush()
+    assert core.pool.n_free == pool_size
