@@ -48,12 +48,14 @@ def test_a_repositioned_turn_rotates_in_place_and_the_next_turn_reads_it_cached(
     copies = segment.copies
     assert copies.tokens.tolist() == [4, 5] and copies.src.tolist() == copies.dst.tolist()
     assert copies.old_positions.tolist() == [4, 5] and copies.new_positions.tolist() == [2, 3]
-    assert request.plan.usage.as_dict() == {"cached_tokens": 2, "repos_tokens": 2, "drop_skipped_tokens": 2}
+    assert request.plan.usage.as_dict() == {"cached_tokens": 2, "repos_tokens": 2, "drop_skipped_tokens": 2,
+                                            "computed_tokens": 2}  # message 3
     core.finish(request)
     assert pool.n_held == held + 2, "the rotated slots are published again, not duplicated"
     nxt = core.admit(agent.program(4), compact=True)
     assert not any(job.size for job in nxt.plan.copies), "repositioned again"
-    assert nxt.plan.usage.as_dict() == {"cached_tokens": 6, "repos_tokens": 0, "drop_skipped_tokens": 2}
+    assert nxt.plan.usage.as_dict() == {"cached_tokens": 6, "repos_tokens": 0, "drop_skipped_tokens": 2,
+                                        "computed_tokens": 1}  # message 4, one token
     core.finish(nxt)
     core.flush()
     assert pool.n_free == pool.size
