@@ -40,6 +40,8 @@ class ContextManagementError(PayloadError):
 
 @dataclass(frozen=True)
 class ClearToolUses:
+    """`clear_tool_uses_20250919` with its defaults filled in; `clear_at_least` None: no minimum."""
+
     trigger_unit: str  # "input_tokens" or "tool_uses"
     trigger_value: int
     keep: int
@@ -50,6 +52,8 @@ class ClearToolUses:
 
 @dataclass(frozen=True)
 class ClearThinking:
+    """`clear_thinking_20251015`: the newest `keep_turns` turns keep their reasoning."""
+
     keep_turns: int | None  # None: keep all
 
 

@@ -5,6 +5,7 @@ server's token counts), the response carries `context_management.applied_edits`,
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from akv.agent.anthropic import parse_context_management, plan_edits
 from akv.agent.counting import TokenLayout
 from akv.agent.templating import template_messages, template_tools
 from akv.system.adapter.protocol import message_dict
+from akv.system.adapter.serving import _CONVERTER
 from akv.system.context.provenance import TokenProvenance, prompt_provenance
 from akv.system.context.rules import Drop
 from akv.system.context.thinking import retain_thinking, thinking_drops
@@ -43,19 +45,21 @@ class _Counter:
                api_style: str = "sglang") -> TokenLayout:
         self.provenance = prompt_provenance(self.tokenizer, list(messages), tools=list(tools) if tools else None,
                                             add_generation_prompt=True, template=self.template)
-        counts = np.bincount(self.provenance.owners, minlength=len(messages) + 1)
-        ends = np.cumsum(counts[: len(messages)])
-        return TokenLayout(tuple((int(e - c), int(e)) for e, c in zip(ends, counts[: len(messages)], strict=True)),
-                           int(counts[len(messages)]))
+        return TokenLayout.from_owners(self.provenance.owners.tolist(), len(messages))
 
 
-def apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any, *, fields: bool = True) -> None:
+async def apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any, *, fields: bool = True) -> None:
     """Validate `context_management` (a ``ValueError`` naming the field: HTTP 400), put the drop
     fields on ``chat_request`` (unless ``fields`` is False: a count) and replace the field with the
-    :class:`Edited` summary."""
-    value = getattr(anthropic_request, "context_management", None)
-    if value is None:
+    :class:`Edited` summary. The renders run in the context-request worker thread, off the event loop."""
+    if getattr(anthropic_request, "context_management", None) is None:
         return
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(_CONVERTER, _apply_edits, serving_chat, anthropic_request, chat_request, fields)
+
+
+def _apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any, fields: bool) -> None:
+    value = anthropic_request.context_management
     edits = parse_context_management(value, has_tools=bool(chat_request.tools))
     tools = template_tools([t.model_dump() for t in chat_request.tools]) if chat_request.tools else None
     messages = template_messages([message_dict(m) for m in chat_request.messages])

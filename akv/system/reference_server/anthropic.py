@@ -95,11 +95,7 @@ class ServerCounter:
                chat_template_kwargs: Mapping[str, object] | None = None, api_style: str = "sglang") -> TokenLayout:
         owned = self._template.render_owned(list(messages), tools=list(tools) if tools else None,
                                             add_generation_prompt=True, **dict(chat_template_kwargs or {}))
-        owners = token_provenance(owned, self._tokenizer).owners
-        counts = np.bincount(owners, minlength=len(messages) + 1)
-        ends = np.cumsum(counts[: len(messages)])
-        spans = tuple((int(e - c), int(e)) for e, c in zip(ends, counts[: len(messages)], strict=True))
-        return TokenLayout(spans, int(counts[len(messages)]))
+        return TokenLayout.from_owners(token_provenance(owned, self._tokenizer).owners.tolist(), len(messages))
 
 
 def applied_edits(request: AnthropicRequest, program: ContextProgram) -> list[dict[str, Any]]:
