@@ -176,7 +176,7 @@ class Engine:
         serving it would report; runs no model and takes nothing from the pool or the tree."""
         with self.turn():
             prepared = self.prepare(request)
-            usage = self.cache.match(prepared.program).plan.plan.usage
+            usage = self.cache.match(prepared.program, compact=True).plan.plan.usage
         program = prepared.program
         return prepared, PromptUsage(program.n_prompt, usage.cached_tokens, usage.repos_tokens,
                                      usage.drop_skipped_tokens, usage.computed_tokens)
