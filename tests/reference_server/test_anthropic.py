@@ -166,7 +166,7 @@ def test_streamed_reply_parses_with_the_sdk(qwen3_served: tuple[str, Engine], cl
 def test_chat_completions_dry_run_equals_the_request_that_follows(qwen3_served: tuple[str, Engine]) -> None:
     url, engine = qwen3_served
     body = {"model": MODEL_NAME, "messages": openai_messages(2), "tools": OPENAI_TOOLS, "max_tokens": 3,
-            "drop_message": {"4": [2]}}
+            "drop_message": {"4": [2]}, "reposition": [4]}
     before = cache_state(engine)
     status, dry = post(url, {**body, "akv_dry_run": True})
     assert status == 200 and cache_state(engine) == before
