@@ -36,14 +36,15 @@ from akv.agent.selectors import ModelSelection, ResultSelection, TokenSelection,
 from akv.agent.templating import TemplateInputError, TemplateInputs, sglang_template_inputs
 from akv.agent.tool import DropContextTool
 from akv.agent.transport import send_chat_request
-from akv.agent.triggers import ModelTrigger, TokenTrigger, TurnTrigger
+from akv.agent.triggers import ModelTrigger, ResultTrigger, TokenTrigger, TurnTrigger
 
 __all__ = [
     "AKVError", "ApproximateTokenCounter", "BackendError", "CacheOperation", "CacheOperationHistory",
     "CachePolicy", "ConfigError", "ContextLengthError", "DecisionContext", "DropContextTool", "GenerationResult",
     "HistoryError", "HTTPStatusError", "IncompleteStreamError", "LiveBudgetSelection", "LiveBudgetTrigger",
     "MissingExtraError", "ModelReposition", "ModelRequest",
-    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "ResultSelection", "ROUTING_HEADER", "RuleError",
+    "ModelSelection", "ModelTrigger", "PayloadError", "Protection", "RedirectError", "ResultSelection",
+    "ResultTrigger", "ROUTING_HEADER", "RuleError",
     "StreamError",
     "TemplateInputError", "TemplateInputs", "Timings", "TokenCountError", "TokenCounter", "TokenLayout",
     "TokenReposition", "TokenSelection", "TokenTrigger", "ToolCall", "TransportError", "TurnReposition",

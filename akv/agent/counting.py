@@ -30,6 +30,19 @@ class TokenLayout:
             raise TokenCountError(f"TokenLayout.generation_tokens must be a non-negative int, "
                                   f"got {self.generation_tokens!r}")
 
+    @classmethod
+    def from_owners(cls, owners: Sequence[int], n_messages: int) -> TokenLayout:
+        """The layout of a rendered prompt whose token t belongs to message `owners[t]` (in order;
+        owner `n_messages` is the generation prompt)."""
+        counts = [0] * (n_messages + 1)
+        for owner in owners:
+            counts[int(owner)] += 1
+        spans, start = [], 0
+        for count in counts[:n_messages]:
+            spans.append((start, start + count))
+            start += count
+        return cls(tuple(spans), counts[n_messages])
+
     @property
     def message_tokens(self) -> tuple[int, ...]:
         return tuple(end - start for start, end in self.spans)

@@ -41,6 +41,20 @@ class TokenTrigger:
 
 
 @dataclass(frozen=True)
+class ResultTrigger:
+    """Fire when more than `count` tool results precede the boundary (Anthropic's `tool_uses` trigger)."""
+
+    count: int
+
+    def __post_init__(self) -> None:
+        checks.positive_int("ResultTrigger", "count", self.count)
+
+    def __call__(self, ctx: DecisionContext) -> bool:
+        batches = ctx.conversation.batches
+        return sum(sum(1 for r in b.results if r <= ctx.boundary) for b in batches) > self.count
+
+
+@dataclass(frozen=True)
 class ModelTrigger:
     """Fire at the end of each tool-call batch that carries a successful `tool_name` receipt."""
 

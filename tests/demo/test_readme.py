@@ -142,8 +142,10 @@ def test_python_snippets_run_as_printed_in_order(quick_start, workdir: Path) -> 
     url, _ = quick_start
     snippets = fenced(README, "python")
     assert len(snippets) >= 2
+    namespaces = []
     for k, snippet in enumerate(snippets):
         namespace: dict = {}
+        namespaces.append(namespace)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(snippet.replace(PRINTED_PORT, url.rsplit(":", 1)[1]), f"README python snippet {k + 1}",
@@ -151,6 +153,7 @@ def test_python_snippets_run_as_printed_in_order(quick_start, workdir: Path) -> 
         assert out.getvalue().splitlines() == expected_output(snippet), f"snippet {k + 1}"
     from akv.agent.tokens import ChatTemplateTokenCounter
 
+    namespace = next(n for n in namespaces if "payload" in n and "reply" in n)  # the OpenAI SDK snippet
     reply, payload = namespace["reply"], namespace["payload"]
     counted = ChatTemplateTokenCounter.from_pretrained(workdir / "models" / "smollm2").layout(payload["messages"])
     assert reply.model == "smollm2" and reply.usage.prompt_tokens == counted.prompt_tokens

@@ -171,6 +171,16 @@ class Engine:
                                f"{self.pool.size - prompt_slots + 1} new tokens")
         return Prepared(program, max_new_tokens, kv_slots)
 
+    def preview(self, request: ChatRequest) -> tuple[Prepared, PromptUsage]:
+        """Dry run: the request prepared and planned against the cache as it is now, with the usage
+        serving it would report; runs no model and takes nothing from the pool or the tree."""
+        with self.turn():
+            prepared = self.prepare(request)
+            usage = self.cache.match(prepared.program, compact=True).plan.plan.usage
+        program = prepared.program
+        return prepared, PromptUsage(program.n_prompt, usage.cached_tokens, usage.repos_tokens,
+                                     usage.drop_skipped_tokens, usage.computed_tokens)
+
     def generate(self, prepared: Prepared, request: ChatRequest, on_token: OnToken | None) -> Generation:
         """Run the prompt through the cache plan, then decode; publishes all new KV to the tree. Each step
         is one turn; ``on_token`` is called between turns, so a caller that waits there (a client

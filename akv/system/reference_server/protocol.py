@@ -45,7 +45,7 @@ NEUTRAL_FIELDS: dict[str, tuple[Any, tuple[type, ...]]] = {
 KNOWN_FIELDS = frozenset({
     "model", "messages", "tools", "tool_choice", "stream", "stream_options", "max_tokens",
     "max_completion_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs",
-    "chat_template_kwargs", "drop_message", "reposition", "drop_rule",
+    "chat_template_kwargs", "drop_message", "reposition", "drop_rule", "akv_dry_run",
 }) | IGNORED_FIELDS | frozenset(NEUTRAL_FIELDS)
 
 

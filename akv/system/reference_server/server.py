@@ -21,6 +21,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from akv.system.reference_server import anthropic
 from akv.system.reference_server.engine import Engine, EngineBusy, Generation
 from akv.system.reference_server.protocol import ChatRequest, RequestError, parse_chat_request
 from akv.system.reference_server.responses import (
@@ -181,13 +182,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
+        if path in ("/v1/messages", "/v1/messages/count_tokens"):
+            self._anthropic(count_only=path.endswith("count_tokens"))
+            return
         if path != "/v1/chat/completions":
             self._error(HTTPStatus.NOT_FOUND, f"no route for POST {path}", param=None)
             return
         try:
-            request = parse_chat_request(self._read_json(), self.server.engine.model_name,
-                                         self.server.engine.content_format)
-            if request.stream:
+            body = self._read_json()
+            request = parse_chat_request(body, self.server.engine.model_name, self.server.engine.content_format)
+            dry_run = body.get("akv_dry_run", False)
+            if type(dry_run) is not bool:
+                raise RequestError("akv_dry_run", dry_run, "expected true or false")
+            if dry_run:
+                _, prompt = self.server.engine.preview(request)
+                self._json(HTTPStatus.OK, {"object": "akv.dry_run", "model": request.model,
+                                           "usage": usage_body(prompt, 0)})
+            elif request.stream:
                 self._stream(request)
             else:
                 self._complete(request)
@@ -200,6 +211,66 @@ class _Handler(BaseHTTPRequestHandler):
                         kind="server_error")
         except ClientGone:
             self.close_connection = True
+
+    def _anthropic(self, *, count_only: bool) -> None:
+        """`/v1/messages` and `/v1/messages/count_tokens`; errors in Anthropic's shape."""
+        engine = self.server.engine
+        try:
+            converted = anthropic.parse(self._read_json(), engine, count_only=count_only)
+            request = parse_chat_request(converted.chat, engine.model_name, engine.content_format)
+            if count_only:
+                _, prompt = engine.preview(request)
+                self._json(HTTPStatus.OK, anthropic.count_tokens_body(prompt, converted.edits))
+                return
+            with engine.turn():
+                prepared = engine.prepare(request)
+            edits = anthropic.applied_edits(converted, prepared.program) if converted.edits is not None else None
+            if converted.stream:
+                self._anthropic_stream(converted, request, prepared, edits)
+                return
+            generation = engine.generate(prepared, request, on_token=None)
+            content, calls = _final_message(request, generation)
+            body = anthropic.message_body(request.model, anthropic.content_blocks(content, calls),
+                                          _stop_reason(generation, calls),
+                                          anthropic.usage(generation.usage, len(generation.steps)), edits)
+            self._json(HTTPStatus.OK, body)
+        except RequestError as exc:
+            self._json(HTTPStatus.BAD_REQUEST, anthropic.error_body("invalid_request_error", str(exc)))
+        except _BodyTimeout as exc:
+            self._json(HTTPStatus.REQUEST_TIMEOUT, anthropic.error_body("request_timeout_error", str(exc)))
+        except EngineBusy as exc:
+            self._json(HTTPStatus.SERVICE_UNAVAILABLE, anthropic.error_body("overloaded_error", f"server busy: {exc}"))
+        except ClientGone:
+            self.close_connection = True
+
+    def _anthropic_stream(self, converted: anthropic.AnthropicRequest, request: ChatRequest, prepared: Any,
+                          edits: list[dict[str, Any]] | None) -> None:
+        """The reply's events go out once it is complete (`message_start` with the first token)."""
+        self.close_connection = True
+        writer = _StreamWriter(self, self.server.stream_buffer)
+        start = anthropic.message_body(request.model, [], "", {}, None)
+        start.update(stop_reason=None, usage={"input_tokens": 0, "output_tokens": 0})
+
+        def on_token(step: TokenStep, text: str) -> None:
+            if not writer.started:
+                writer.put(self._stream_head() + anthropic.sse("message_start", {"type": "message_start",
+                                                                                  "message": start}))
+
+        try:
+            generation = self.server.engine.generate(prepared, request, on_token=on_token)
+            content, calls = _final_message(request, generation)
+            writer.put(anthropic.stream_events(start, anthropic.content_blocks(content, calls),
+                                               _stop_reason(generation, calls),
+                                               anthropic.usage(generation.usage, len(generation.steps)), edits))
+        except Exception as exc:  # the engine failed: report it, keep serving
+            if writer.started:
+                writer.put(anthropic.sse("error", anthropic.error_body("api_error", "engine error")))
+            else:
+                self._json(HTTPStatus.INTERNAL_SERVER_ERROR, anthropic.error_body("api_error", "engine error"))
+            if isinstance(exc, ClientGone):
+                raise
+        finally:
+            writer.close()
 
     def _read_json(self) -> Any:
         length = self.headers.get("Content-Length")
@@ -323,6 +394,10 @@ def _final_message(request: ChatRequest, generation: Generation) -> tuple[str | 
     if request.parse_tool_calls:
         return split_tool_calls(generation.text)
     return generation.text, []
+
+
+def _stop_reason(generation: Generation, calls: list[dict[str, Any]]) -> str:
+    return anthropic.STOP_REASONS[_finish_reason(generation, calls)]
 
 
 def _finish_reason(generation: Generation, calls: list[dict[str, Any]]) -> str:

@@ -1,0 +1,193 @@
+"""The patched SGLang's `/v1/messages` on the CPU, driven by the official `anthropic` SDK: a multi-turn
+tool-use conversation with `clear_tool_uses_20250919` gets, turn for turn, the reply and usage the
+exact reference server gives the equivalent OpenAI-path drop program (written by hand here); `applied_edits`
+equal a count from the message list; streaming parses with the SDK; `count_tokens` gives the prompt
+before and after the edits of the request that follows; bad edits are 400s naming the field, and the
+server keeps serving (its strict idle leak check would stop the scheduler otherwise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+
+from akv.system.reference_server import Engine, ReferenceServer
+
+from .conftest import HERE, ROOT, STRICT
+from http_client import post
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "string"}}}
+TOOLS = [{"name": "read_record", "description": "read a record", "input_schema": SCHEMA}]
+OPENAI_TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "read a record",
+                                                  "parameters": SCHEMA}}]
+N_TURNS = 4
+KEEP = 1
+EDITS = [{"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 2},
+          "keep": {"type": "tool_uses", "value": KEEP}}]
+
+
+def record(i: int) -> str:
+    return f"record {i}: {i * 3 + 2} crates, seal {i * 131 % 997}; next {i + 1}"
+
+
+def anthropic_messages(n_turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is shipment 7? Start at record 0."}]
+    for i in range(n_turns):
+        messages.append({"role": "assistant", "content": [
+            {"type": "tool_use", "id": f"toolu_{i}", "name": "read_record", "input": {"id": str(i)}}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": record(i)}]})
+    return messages
+
+
+def equivalent(n_turns: int) -> dict[str, Any]:
+    """The OpenAI-path request the edits mean (user 0; turn i: call 2i+1, result 2i+2): from the third
+    tool result on (more than 2 tool uses), every result but the newest is dropped at each batch."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is shipment 7? Start at record 0."}]
+    for i in range(n_turns):
+        messages.append({"role": "assistant", "tool_calls": [{"id": f"toolu_{i}", "type": "function", "function": {
+            "name": "read_record", "arguments": json.dumps({"id": str(i)})}}]})
+        messages.append({"role": "tool", "tool_call_id": f"toolu_{i}", "content": record(i)})
+    drops: dict[str, list[int]] = {}
+    dropped: set[int] = set()
+    for k in range(3, n_turns + 1):
+        new = [2 * j for j in range(1, k) if 2 * j not in dropped]
+        if new:
+            drops[str(2 * k)] = new
+            dropped.update(new)
+    body: dict[str, Any] = {"model": "default", "messages": messages, "tools": OPENAI_TOOLS, "max_tokens": 5,
+                            "temperature": 0.0}
+    if drops:
+        body["drop_message"] = drops
+    return body
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sglang_url(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("sglang-cpu-anthropic") / "server.log"
+    env = {**os.environ, **STRICT, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
+    command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(tiny_qwen3), "--device", "cpu",
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--disable-cuda-graph",
+               "--sampling-backend", "pytorch", "--max-total-tokens", "4096", "--chunked-prefill-size", "64",
+               "--skip-server-warmup", "--mem-fraction-static", "0.5", "--enable-cache-report"]
+    log = open(log_path, "w")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        yield url
+        assert server.poll() is None, log_path.read_text()[-4000:]
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def reference_url(tiny_qwen3: Path) -> Iterator[str]:
+    server = ReferenceServer(Engine(tiny_qwen3, name="default", kv_slots=4096))
+    with server.running():
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def client(sglang_url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=sglang_url, api_key="none", max_retries=0, timeout=600)
+
+
+def create(client: anthropic.Anthropic, n_turns: int) -> Any:
+    return client.beta.messages.create(model="default", max_tokens=5, extra_body={"temperature": 0.0}, tools=TOOLS,
+                                       messages=anthropic_messages(n_turns), context_management={"edits": EDITS})
+
+
+def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.Anthropic,
+                                                              reference_url: str) -> None:
+    for n in range(1, N_TURNS + 1):
+        preview = client.beta.messages.count_tokens(model="default", tools=TOOLS, messages=anthropic_messages(n),
+                                                    context_management={"edits": EDITS})
+        got = create(client, n)
+        status, want = post(reference_url, equivalent(n))
+        assert status == 200, want
+        text = "".join(b.text for b in got.content if b.type == "text")
+        assert text == want["choices"][0]["message"]["content"], n
+        usage, details = want["usage"], want["usage"]["prompt_tokens_details"]
+        read = got.usage.cache_read_input_tokens or 0  # absent when nothing was read, as stock SGLang
+        assert got.usage.input_tokens + read == usage["prompt_tokens"], n
+        assert read == details["cached_tokens"] + details["repos_tokens"], n
+        assert got.usage.output_tokens == usage["completion_tokens"], n
+        assert preview.context_management.original_input_tokens == usage["prompt_tokens"], n
+        assert preview.input_tokens == usage["prompt_tokens"] - details["drop_skipped_tokens"], n
+        results = sum(b["type"] == "tool_result" for m in anthropic_messages(n) if isinstance(m["content"], list)
+                      for b in m["content"])
+        edits = got.context_management.applied_edits if got.context_management else []
+        if results > 2:  # the trigger fired: every result but the newest KEEP is cleared
+            (edit,) = edits
+            assert edit.cleared_tool_uses == results - KEEP
+            assert edit.cleared_input_tokens == details["drop_skipped_tokens"] > 0
+        else:
+            assert edits == []
+
+
+def test_streamed_reply_parses_with_the_sdk(client: anthropic.Anthropic) -> None:
+    whole = create(client, N_TURNS)
+    with client.beta.messages.stream(model="default", max_tokens=5, extra_body={"temperature": 0.0}, tools=TOOLS,
+                                     messages=anthropic_messages(N_TURNS),
+                                     context_management={"edits": EDITS}) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+    assert streamed.context_management.model_dump() == whole.context_management.model_dump()
+
+
+@pytest.mark.parametrize(("edits", "tools", "field"), [
+    ([{"type": "clear_everything_20990101"}], TOOLS, "context_management.edits[0].type"),
+    ([{"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 2},
+       "keep": {"type": "tool_uses", "value": 3}}], TOOLS, "context_management.edits[0].keep.value"),
+    ([{"type": "clear_tool_uses_20250919", "trigger": {"type": "messages", "value": 2}}], TOOLS,
+     "context_management.edits[0].trigger.type"),
+    ([{"type": "clear_tool_uses_20250919"}], None, "context_management.edits[0].type"),
+])
+def test_bad_edits_are_400s_naming_the_field(sglang_url: str, client: anthropic.Anthropic, edits: list[Any],
+                                             tools: Any, field: str) -> None:
+    messages = anthropic_messages(2) if tools else [{"role": "user", "content": "hello"}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"model": "default", "messages": messages, "context_management": {"edits": edits}}
+        if path == "/v1/messages":
+            body["max_tokens"] = 3
+        if tools:
+            body["tools"] = tools
+        status, error = post(sglang_url, body, path=path, timeout=600)
+        assert status == 400 and error["type"] == "error", error
+        assert error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["message"].startswith(field + ":"), error
+    assert create(client, 1).usage.output_tokens > 0, "the server keeps serving"
