@@ -7,14 +7,11 @@ tokens, and the floor and trimmed-text requests are served."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import next_turn  # noqa: E402
+from bench import next_turn
 
 
 @pytest.mark.slow

@@ -4,16 +4,11 @@ best concurrency and the markdown table (hand-worked rows); its CPU dry run end 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import replay_suite
 from bench.agent_replay import suite_report as report
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-import replay_suite  # noqa: E402
 
 
 def _row(method, concurrency, out, p95, server="stock", **extra):
@@ -40,7 +35,7 @@ def test_ratios_compare_akv_with_standard_at_equal_concurrency():
 def test_best_concurrency_and_markdown():
     assert report.best(ROWS, "akv_keep12")["concurrency"] == 16
     assert report.best(ROWS, "full") is None
-    result = {"command": "python tools/gpu/replay_suite.py", "label": "test", "rows": ROWS,
+    result = {"command": "python bench/replay_suite.py", "label": "test", "rows": ROWS,
               "ratios": report.ratios(ROWS), "best": {m: report.best(ROWS, m) for m in ("standard", "akv_keep12")},
               "notes": ["patched: akv_keep12 c=32 skipped"]}
     text = report.markdown(result)
