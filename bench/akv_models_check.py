@@ -85,7 +85,8 @@ PLAIN_TOKENS = {"gpt_oss_tiny": 1}
 """Plain gpt-oss requests keep stock SGLang's window: its extend reads the contract's window, its
 triton decode one key fewer (sgl-project/sglang#32087, akv.system.adapter.window_lists), so plain
 requests are compared with the reference on their first token (prefill) only, and the bound they set
-applies to the context requests' first tokens; the context requests' greedy tokens are compared on all."""
+applies to the context requests' first tokens; the context requests' greedy tokens are compared on all.
+Plain requests ask for only the tokens compared (on both servers: no decode step that nothing reads)."""
 TIE_GAP = 0.006
 """MiniMax-M2 routes each token to the top-k experts of ``sigmoid(gate x) + bias``; where the exact
 reference's k-th and (k+1)-th scores are closer than this at some layer, bf16 arithmetic may pick the
@@ -221,11 +222,11 @@ def check_tiny(run: Run, name: str, model: Path) -> dict[str, Any]:
             engine = reference.engine
             probe = router_ties.RouterProbe(engine.model) if name == "minimax_tiny" else None
             for request, body in oracle.requests(oracle.WINDOW_WORDS):
-                got = client.chat(server.url, body)
+                tokens = PLAIN_TOKENS.get(name) if request.startswith("plain") else None
+                got = client.chat(server.url, body, tokens or 8)
                 if probe is not None:
                     probe.calls = []
-                want = client.chat(reference.url, body)
-                tokens = PLAIN_TOKENS.get(name) if request.startswith("plain") else None
+                want = client.chat(reference.url, body, tokens or 8)
                 gaps = [] if probe is None else router_ties.token_gaps(
                     probe.calls, len(want["choices"][0]["logprobs"]["content"]), engine.model.config.num_layers)
                 tie = next((i for i, layers in enumerate(gaps) if min(layers) < TIE_GAP), None)
