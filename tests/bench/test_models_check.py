@@ -27,6 +27,7 @@ def test_dry_run_serves_both_tiny_models_like_the_reference_server(tmp_path: Pat
     out = tmp_path / "out"
     assert akv_models_check.main(["--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     report = json.loads((out / "akv_models_check.json").read_text())
+    assert {"command", "commit", "date", "machine"} <= set(report)  # bench/harness/results.py's header
     for name in ("gpt_oss_tiny", "minimax_tiny"):
         part = report["parts"][name]
         assert part["ok"] and part["failures"] == [], (name, part)

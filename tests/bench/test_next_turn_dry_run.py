@@ -20,6 +20,7 @@ def test_dry_run_first_context_request_launches_no_new_kernel(tmp_path: Path) ->
     rc = next_turn.main(["--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0 and "error" not in report, report.get("error")
+    assert {"command", "commit", "date", "machine"} <= set(report)  # bench/harness/results.py's header
     assert report["kernel_first_launches_at_ready"] > 0
     rows = report["sizes"]["2"]["rows"]
     assert len(rows) == 2

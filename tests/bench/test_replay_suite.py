@@ -53,6 +53,7 @@ def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(tmp_
             "--stock-methods", "trim", "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
     assert replay_suite.main(argv) == 0
     result = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
+    assert {"command", "commit", "date", "machine"} <= set(result)  # bench/harness/results.py's header
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 3 for r in rows.values())
     assert rows["trim"]["server"] == "stock" and not rows["trim"]["server_reported_akv_usage"]

@@ -30,6 +30,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
 @pytest.mark.slow
 def test_dry_run_soak_evicts_stays_exact_and_leaves_the_pool_empty(dry_run: tuple[int, dict, Path]) -> None:
     _, report, out = dry_run
+    assert {"command", "commit", "date", "machine"} <= set(report)  # bench/harness/results.py's header
     before_copies = [f for f in report["failures"] if not f.startswith("copies: ")]
     assert before_copies == [], before_copies
     assert len(report["waves"]) == akv_soak.CPU.turns and "traffic_cut" not in report
