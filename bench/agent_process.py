@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -41,6 +40,7 @@ from akv.agent import (  # noqa: E402
 )
 from akv.agent.history import EMPTY_PREFIX, extend_digest  # noqa: E402
 from akv.agent.payload import copy_json  # noqa: E402
+from bench.harness import results  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} tool",
                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--out", type=cli.new_file, default=None,
                         help="also write the result to this new file (e.g. bench/results/agent_process-DATE.json)")
     args = parser.parse_args()
-    load_before = round(os.getloadavg()[0], 2)
+    head = results.header("bench/agent_process.py")  # before the work: the load average at the start
     rows = []
     for size in args.sizes:
         messages = conversation(size, args.result_chars)
@@ -144,15 +144,12 @@ def main() -> None:
     for r in rows:
         print(" ".join(f"{cell(r):>14}" for _, cell in columns))
     out = {
-        "command": "python " + " ".join(sys.argv),
-        "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-        "load_average_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],
+        **head, "load_average_1m_after": round(os.getloadavg()[0], 2),
         "result_chars": args.result_chars, "goal": "process() well under 5 ms at 500 messages; cold at most 2.5 ms (min) there",
         "rows": rows,
     }
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        results.write(out, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -16,24 +16,26 @@ the process's CPU time instead of wall time (steadier on a shared machine).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from akv import cli
-from akv.system.cache.core import CacheCore
-from akv.system.cache.keys import program_key
-from akv.system.cache.occurrence import plan_occurrences
-from akv.system.cache.pool import SlotPool
-from akv.system.context.compiler import compile_program
-from akv.system.context.program import ContextProgram
-from akv.system.context.rules import parse_rules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from akv import cli  # noqa: E402
+from akv.system.cache.core import CacheCore  # noqa: E402
+from akv.system.cache.keys import program_key  # noqa: E402
+from akv.system.cache.occurrence import plan_occurrences  # noqa: E402
+from akv.system.cache.pool import SlotPool  # noqa: E402
+from akv.system.context.compiler import compile_program  # noqa: E402
+from akv.system.context.program import ContextProgram  # noqa: E402
+from akv.system.context.rules import parse_rules  # noqa: E402
+from bench.harness import results  # noqa: E402
 
 VOCAB = 150_000
 
@@ -184,7 +186,7 @@ def main() -> None:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
 
-    load = os.getloadavg()[0]
+    head = results.header("bench/cache_core.py")  # before the work: the load average at the start
     rng = np.random.default_rng(args.seed)
     system = rng.integers(0, VOCAB, size=args.system_len)
     convs = [make_conversation(rng, system, args.messages, args.mean_len) for _ in range(args.conversations)]
@@ -194,18 +196,11 @@ def main() -> None:
 
     parts = {} if args.long_only else full_tree(core, convs, args)
     result = {
-        "command": "python bench/cache_core.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "load_average_1m_at_start": round(load, 2)},
+        **head,
         **parts,
         "long_context": long_context(core, rng, system, args),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        with open(args.out, "x", encoding="utf-8") as f:
-            f.write(text + "\n")
+    results.show(result, args.out)
 
 
 if __name__ == "__main__":

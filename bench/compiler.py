@@ -10,9 +10,6 @@ half the prompt, so its cost is the size of the transitions it must produce; few
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +26,7 @@ from akv.system.context.compiler import append_generated, compile_program  # noq
 from akv.system.context.provenance import ChatTemplate  # noqa: E402
 from akv.system.context.rules import parse_rules  # noqa: E402
 from akv.system.context.wire import decode_program, encode_program  # noqa: E402
+from bench.harness import results  # noqa: E402
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
@@ -141,20 +139,15 @@ def main() -> None:
     parser.add_argument("--out", type=cli.new_file)
     args = parser.parse_args()
     report = {
-        "command": "python " + " ".join(sys.argv),
-        "machine": f"{platform.machine()}, python {platform.python_version()}, numpy {np.__version__}",
+        **results.header("bench/compiler.py"),  # before the work: the load average at the start
+        "numpy": np.__version__,
         "tokens": args.tokens,
         "repeats": args.repeats,
         "statistic": "median ms (wall unless named cpu)",
-        "load_average_before": [round(x, 2) for x in os.getloadavg()],
         "scenarios": run(args.tokens, args.messages, args.dense_messages, args.repeats),
         "provenance": run_provenance(args.calls, args.repeats),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    results.show(report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ to check the script itself; its numbers mean nothing.
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import json
 import math
@@ -44,6 +43,7 @@ from akv.system.kernels.kv_indices import KeepMask, decode_kv_indices
 from akv.system.kernels.layer_buffers import LayerBuffers
 from akv.system.kernels.rerotate import RerotateLaunch, rerotate_kv
 from akv.system.kernels.rope_spec import RopeSpec, RopeTable
+from bench.harness import results
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 36, 8, 32, 128
 QWEN3 = RopeSpec(theta=1_000_000.0, head_dim=HEAD_DIM, rotary_dim=HEAD_DIM)
@@ -230,12 +230,10 @@ def main(argv: list[str]) -> None:
         parser.error("needs a CUDA GPU (or --smoke)")
     out = args.out or (Path(os.environ["OUT"]) / "kernels.json" if os.environ.get("OUT")
                        else Path(__file__).resolve().parent / "results" / "kernels-h200.json")
-    if out.exists():
-        parser.error(f"{out} exists; results are never replaced: give a new --out")
+    results.refuse_existing(parser, out)
     started = time.perf_counter()
     result: dict[str, Any] = {
-        "command": " ".join(["python", "bench/kernels.py", *argv]),
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **results.header("bench/kernels.py", argv),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -252,8 +250,7 @@ def main(argv: list[str]) -> None:
         result["index_build"] = bench_index_build(8, 32768, device)
         result["decode_attention"] = bench_decode_attention([1, 8], [8192, 32768, 131072], device)
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    results.write(result, out)
     print(f"wrote {out} in {result['wall_s']} s", flush=True)
 
 

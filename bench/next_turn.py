@@ -28,37 +28,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
+sys.path.insert(0, str(ROOT))
 
-import server_process  # noqa: E402
 from akv import cli  # noqa: E402
-from akv_8b_check import Conversation, Server  # noqa: E402
-from akv_decode_bench import COMMON, POOLS  # noqa: E402
+from bench.akv_8b_check import chat  # noqa: E402
+from bench.akv_decode_bench import COMMON, POOLS  # noqa: E402
+from bench.harness import client, results, servers  # noqa: E402
+from bench.harness.conversations import Conversation  # noqa: E402
+from bench.harness.servers import Server  # noqa: E402
 
 GOAL_VS_FLOOR = 1.5
 GOAL_FIRST_VS_MEDIAN = 1.5
-CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
-             "--chunked-prefill-size", "256", "--mem-fraction-static", "0.5", "--max-total-tokens", "8192",
-             "--enable-cache-report"]
-METRIC = re.compile(r'^sglang:akv_(admission_seconds|kernel_first_launches)_total\{[^}]*\} ([0-9.e+-]+)$', re.M)
+CPU_FLAGS = [*servers.cpu_flags(8192, warmup=True), "--enable-metrics"]
+"""SGLang's warm-up kept: it is what launches AKV's kernels before the server reports ready."""
 
 
 def akv_metrics(url: str) -> dict[str, float]:
     """The AKV counters this benchmark reads, from ``/metrics``."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {name: float(value) for name, value in METRIC.findall(text)}
+    metrics = client.read_metrics(url, 30)
+    return {name: metrics[f"akv_{name}_total"] for name in ("admission_seconds", "kernel_first_launches")
+            if f"akv_{name}_total" in metrics}
 
 
 def settled(url: str, before: dict[str, float], seconds: float = 5.0) -> dict[str, float]:
@@ -71,12 +68,6 @@ def settled(url: str, before: dict[str, float], seconds: float = 5.0) -> dict[st
         time.sleep(0.05)
 
 
-def flush(server: Server) -> None:
-    request = urllib.request.Request(f"{server.url}/flush_cache", data=b"", method="POST")
-    with urllib.request.urlopen(request, timeout=60) as response:
-        response.read()
-
-
 def trial(patched: Server, stock: Server, base: list[dict[str, Any]], new: list[dict[str, Any]],
           seed: int, fields: dict[str, Any]) -> dict[str, Any]:
     """One next turn: ``base`` (the turn, system message first) followed by ``new`` (the tool call
@@ -86,15 +77,16 @@ def trial(patched: Server, stock: Server, base: list[dict[str, Any]], new: list[
     anchor = len(nxt) - 1
     results = [i for i, m in enumerate(turn) if m["role"] == "tool"]
     dropped = results[: len(results) // 2]
-    patched.chat({"messages": turn, **fields}, 1)
+    chat(patched, {"messages": turn, **fields}, 1)
     before = akv_metrics(patched.url)
-    akv = patched.chat({"messages": nxt, **fields, "drop_message": {str(anchor): dropped}, "reposition": [anchor]}, 1)
+    akv = chat(patched, {"messages": nxt, **fields, "drop_message": {str(anchor): dropped}, "reposition": [anchor]}, 1)
     after = settled(patched.url, before)
     live = [m for i, m in enumerate(nxt) if i not in dropped]
-    stock.chat({"messages": live[: -len(new)], **fields}, 1)
-    floor = stock.chat({"messages": live, **fields}, 1)
-    flush(stock)
-    trimmed = stock.chat({"messages": live, **fields}, 1)
+    chat(stock, {"messages": live[: -len(new)], **fields}, 1)
+    floor = chat(stock, {"messages": live, **fields}, 1)
+    if client.flush_cache(stock.url) != 200:
+        raise RuntimeError(f"{stock.url}/flush_cache refused: the trimmed text would not be prefilled cold")
+    trimmed = chat(stock, {"messages": live, **fields}, 1)
     return {"prompt_tokens": akv["usage"]["prompt_tokens"], "live_tokens": trimmed["usage"]["prompt_tokens"],
             "akv_s": akv["seconds"], "floor_s": floor["seconds"], "trimmed_text_s": trimmed["seconds"],
             "admission_ms": 1e3 * (after.get("admission_seconds", 0.0) - before.get("admission_seconds", 0.0)),
@@ -126,8 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=10, help="trials per size after its first")
     p.add_argument("--deadline-s", type=float, default=420.0,
                    help="no new trial starts this many seconds after the start (run.sh stops a bench at 540 s in all)")
-    p.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"),
-                   help="where the stock SGLang site is unpacked (on the H200)")
+    p.add_argument("--stock-site", type=Path, default=servers.stock_site_default(),
+                   help="where the stock SGLang site is unpacked on the GPU node (default: $AKV_STOCK_SITE, which "
+                        "tools/gpu/run.sh sets, else build/stock-site)")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "akv-next-turn", help="models and CPU sites are made here")
     p.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", ".")) / "next_turn.json"),
                    help="a new JSON file, rewritten after every trial (default: $AKV_BENCH_OUT/next_turn.json)")
@@ -137,34 +130,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def servers(args: argparse.Namespace) -> tuple[Server, Server]:
+def start_servers(args: argparse.Namespace) -> tuple[Server, Server]:
     """The patched server (and stock; the same server in a dry run), started together."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logs = args.out.parent
     if args.dry_run:
         from akv.system.models.tiny import make_tiny_model
 
         args.model = make_tiny_model(args.work / "tiny-qwen3", seed=3)
-        site = [str(ROOT / "tests" / "sglang_cpu" / "site"), str(server_process.cpu_patched_site(args.work)), str(ROOT)]
-        patched = Server("patched", [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(args.model),
-                                     *CPU_FLAGS, "--enable-metrics"],
-                         {**env, "PYTHONPATH": os.pathsep.join(site)}, server_process.free_port(),
-                         logs / "server-next-turn-patched.log")
+        site = servers.cpu_pythonpath(servers.cpu_patched_site(args.work))
+        patched = servers.launch("patched", "akv.system.launch_server", args.model, CPU_FLAGS,
+                                 {**os.environ, "PYTHONPATH": site}, servers.free_port(),
+                                 logs / "server-next-turn-patched.log")
         return patched, patched
-    server_process.unpack_stock_site(args.stock_site)
-    patched = Server("patched", [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(args.model),
-                                 *COMMON, *POOLS["patched"], "--enable-metrics"], env, 30020,
-                     logs / "server-next-turn-patched.log")
-    stock = Server("stock", [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model),
-                             *COMMON, *POOLS["stock"]], {**env, "PYTHONPATH": str(args.stock_site)}, 30021,
-                   logs / "server-next-turn-stock.log")
+    servers.unpack_stock_site(args.stock_site)
+    patched = servers.launch("patched", "akv.system.launch_server", args.model,
+                             [*COMMON, *POOLS["patched"], "--enable-metrics"], dict(os.environ), 30020,
+                             logs / "server-next-turn-patched.log")
+    stock = servers.launch("stock", "sglang.launch_server", args.model, [*COMMON, *POOLS["stock"]],
+                           {**os.environ, "PYTHONPATH": str(args.stock_site)}, 30021, logs / "server-next-turn-stock.log")
     return patched, stock
-
-
-def write(report: dict[str, Any], out: Path) -> None:
-    for path in (out, *([Path(os.environ["OUT"]) / out.name] if os.environ.get("OUT") else [])):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,12 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    patched, stock = servers(args)
+    patched, stock = start_servers(args)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    report: dict[str, Any] = {"command": " ".join(["python", "bench/next_turn.py", *(argv or sys.argv[1:])]),
-                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    report: dict[str, Any] = {**results.header("bench/next_turn.py", argv),
                               "server_args": CPU_FLAGS if args.dry_run else COMMON, "sizes": {}}
     ok = True
     try:
@@ -202,11 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(trial(patched, stock, base, new, 1000 * (index + 1) + seed, fields))
                 print(f"steps {steps} trial {seed}", json.dumps(rows[-1]), flush=True)
                 report["sizes"][str(steps)] = {"rows": rows, **summary(rows, index == 0)}
-                write(report, args.out)
+                results.write(report, args.out, indent=2, copy_to_out=True)
             ok = ok and report["sizes"][str(steps)]["ok"]
     except Exception as exc:  # noqa: BLE001 - the report says what stopped the run
-        body = exc.read().decode(errors="replace")[:1000] if isinstance(exc, urllib.error.HTTPError) else ""
-        report["error"] = f"{exc!r} {body}"[-2000:]
+        report["error"] = repr(exc)[-2000:]  # a failed request's message holds the server's answer
         print(f"next_turn: stopped: {report['error']}", file=sys.stderr, flush=True)
         ok = False
     finally:
@@ -215,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             stock.stop()
         report["total_s"] = round(time.time() - started, 1)
         report["ok"] = ok
-        write(report, args.out)
+        results.write(report, args.out, indent=2, copy_to_out=True)
     print(json.dumps({k: {m: v.get(m) for m in ("akv_vs_floor", "first_vs_median", "ok")}
                       for k, v in report["sizes"].items()}), flush=True)
     return 0 if ok or args.dry_run and "error" not in report else 1

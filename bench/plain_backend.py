@@ -22,7 +22,6 @@ repeat is untimed, and the prefixes both match are checked equal.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "sglang_patch"))
 
 from akv import cli  # noqa: E402
+from bench.harness import results  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +173,7 @@ def _server_args() -> ServerArgs:
 
 
 def main(args: argparse.Namespace) -> int:
+    head = results.header("bench/plain_backend.py")  # before the work: the load average at the start
     _server_args()
     timed: dict[str, list[dict[str, float]]] = {"stock": [], "akv": []}
     for repeat in range(args.repeats):
@@ -195,17 +196,14 @@ def main(args: argparse.Namespace) -> int:
                                               for ph in PHASES}}
                for kind, runs in timed.items()}
     report = {
-        "command": f"python bench/plain_backend.py --bursts {args.bursts} --repeats {args.repeats}",
-        "requests_per_burst": N, "prompt_tokens": PROMPT, "shared_prefix_tokens": SHARED, "output_tokens": OUTPUT,
+        **head, "requests_per_burst": N, "prompt_tokens": PROMPT, "shared_prefix_tokens": SHARED, "output_tokens": OUTPUT,
         "timed_bursts": len(timed["stock"]),
         **medians,
         "akv_over_stock": round(medians["akv"]["median_ms_per_burst"] / medians["stock"]["median_ms_per_burst"], 3),
         "akv_minus_stock_ms": round(medians["akv"]["median_ms_per_burst"] - medians["stock"]["median_ms_per_burst"], 2),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
     }
-    print(json.dumps(report, indent=2))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    results.show(report, args.out)
     return 0
 
 

@@ -9,16 +9,20 @@ finishes, on a CacheCore whose tree already holds earlier bursts. The work the H
 
 from __future__ import annotations
 
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from akv import cli
-from akv.system.cache import plain
-from akv.system.cache.core import CacheCore
-from akv.system.cache.pool import SlotPool
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from akv import cli  # noqa: E402
+from akv.system.cache import plain  # noqa: E402
+from akv.system.cache.core import CacheCore  # noqa: E402
+from akv.system.cache.pool import SlotPool  # noqa: E402
+from bench.harness import results  # noqa: E402
 
 N, PROMPT, OUTPUT = 16, 1925, 128
 
@@ -59,19 +63,17 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=cli.new_file, default=None)
     args = p.parse_args()
+    head = results.header("bench/plain_publish.py")  # before the work: the load average at the start
     per_burst = []
     for repeat in range(args.repeats):
         core = CacheCore(SlotPool(400_000))
         burst(core, 0)
         for b in range(1, args.bursts):
             per_burst.append(burst(core, 100 * repeat + b))
-    report = {"command": "python bench/plain_publish.py " + f"--bursts {args.bursts} --repeats {args.repeats}",
-              "requests_per_burst": N, "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
+    report = {**head, "requests_per_burst": N, "prompt_tokens": PROMPT, "output_tokens": OUTPUT,
               "median_ms_per_burst": {k: round(1e3 * statistics.median(b[k] for b in per_burst), 2) for k in per_burst[0]},
               "median_total_ms_per_burst": round(1e3 * statistics.median(sum(b.values()) for b in per_burst), 2)}
-    print(json.dumps(report, indent=2))
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    results.show(report, args.out)
     return 0
 
 

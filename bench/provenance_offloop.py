@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,8 +42,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from compiler import _agent_fields, _tool_conversation  # noqa: E402
 
 from akv import cli  # noqa: E402
-from akv.system import _build  # noqa: E402
 from akv.system.models.tiny import make_tiny_model  # noqa: E402
+from bench.harness import results, servers  # noqa: E402
 
 TEMPLATE = ROOT / "tests" / "context" / "templates" / "qwen3.jinja"
 SHORT = [{"role": "user", "content": "Say hi."}]
@@ -125,39 +122,13 @@ def _short(url: str) -> tuple[int, float, str]:
     return _post(url, {"model": "default", "messages": SHORT, "max_tokens": 2, "temperature": 0.0})
 
 
-def _server(model: Path, site: Path, port: int, log: Any) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "sglang_cpu" / "site"), str(site),
-                                                         str(ROOT)])}
-    command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(model), "--device", "cpu",
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--disable-cuda-graph",
-               "--sampling-backend", "pytorch", "--max-total-tokens", "4096", "--chunked-prefill-size", "16",
-               "--skip-server-warmup", "--mem-fraction-static", "0.5"]
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def run_http(model: Path, work: Path, calls: int, alone_repeats: int) -> dict[str, Any]:
-    dist = work / "dist"
-    dist.mkdir()
-    wheel = _build.build(dist, _build.python_tag()).wheel
-    site = work / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target",
-                    str(site), str(wheel)], check=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = open(work / "server.log", "w")
-    server = _server(model, site, port, log)
+    site = servers.cpu_pythonpath(servers.cpu_patched_site(work))
+    server = servers.launch("patched", "akv.system.launch_server", model, servers.cpu_flags(4096, chunk=16),
+                            {**os.environ, "PYTHONPATH": site}, servers.free_port(), work / "server.log")
+    url = server.url
     try:
-        deadline = time.time() + 900
-        while True:
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError((work / "server.log").read_text()[-4000:])
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
+        server.wait(900)
         _short(url)
         alone = [_short(url)[1] for _ in range(alone_repeats)]
         body = {"model": "default", "max_tokens": 1, "temperature": 0.0, **long_request(calls)}
@@ -187,12 +158,7 @@ def run_http(model: Path, work: Path, calls: int, alone_repeats: int) -> dict[st
             "short_during_s_max": round(max(s for _, s in answered), 3) if answered else None,
         }
     finally:
-        os.killpg(server.pid, 15)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-        log.close()
+        server.stop()
 
 
 def main() -> None:
@@ -209,18 +175,11 @@ def main() -> None:
         config = json.loads(config_path.read_text())
         config["chat_template"] = TEMPLATE.read_text(encoding="utf-8")
         config_path.write_text(json.dumps(config))
-        result: dict[str, Any] = {
-            "command": " ".join(["python bench/provenance_offloop.py", *sys.argv[1:]]),
-            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
-            "convert": run_convert(model, args.calls, args.repeats),
-        }
+        result: dict[str, Any] = {**results.header("bench/provenance_offloop.py"),
+                                  "convert": run_convert(model, args.calls, args.repeats)}
         if not args.skip_http:
             result["http"] = run_http(model, work, args.calls, args.repeats)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    results.show(result, args.out)
 
 
 if __name__ == "__main__":

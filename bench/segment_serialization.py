@@ -15,10 +15,6 @@ last round (the one that samples its first token), and the tokens of each of its
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from akv import cli  # noqa: E402
-from akv.system import _build  # noqa: E402
 from akv.system.cache.core import CacheCore  # noqa: E402
 from akv.system.cache.pool import SlotPool  # noqa: E402
 from akv.system.context.compiler import compile_program  # noqa: E402
 from akv.system.context.rules import parse_rules  # noqa: E402
 from akv.system.models.tiny import make_tiny_model  # noqa: E402
+from bench.harness import results, servers  # noqa: E402
 from tests.sglang_cpu import scenarios  # noqa: E402
 from tests.sglang_cpu.conftest import serve  # noqa: E402
 from tests.sglang_cpu.scenarios import Conversation, Request  # noqa: E402
@@ -93,22 +89,14 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="akv-segments-") as tmp:
         work = Path(tmp)
-        wheel = _build.build(work / "dist", _build.python_tag()).wheel
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target",
-                        str(work / "site"), str(wheel)], check=True)
+        site = servers.cpu_patched_site(work)
         model = make_tiny_model(work / "tiny-qwen3", seed=3)
         result = {
-            "command": "python bench/segment_serialization.py" + (f" --k {' '.join(map(str, args.k))}"
-                                                                  if args.k != [2, 4, 8] else ""),
-            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]},
-            "runs": [{"k": k, "two_segments": measure(work / "site", model, k, True, 60),
-                      "one_segment": measure(work / "site", model, k, False, 60)} for k in args.k],
+            **results.header("bench/segment_serialization.py"),  # before the work: the load average at the start
+            "runs": [{"k": k, "two_segments": measure(site, model, k, True, 60),
+                      "one_segment": measure(site, model, k, False, 60)} for k in args.k],
         }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    results.show(result, args.out)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ against one server (stock SGLang 0.5.16, Qwen3-8B-shaped dummy weights, 131,072-
 tokens, where Standard (96k) summarizes and Text Engineering (48k) already has; each (method,
 concurrency) run lasts about `--run-seconds` plus its longest request):
 
-    python -m sglang.launch_server --model-path /tmp/qwen3-8b --load-format dummy --attention-backend flashinfer \\
+    python -m sglang.launch_server --model-path build/qwen3-8b --load-format dummy --attention-backend flashinfer \\
         --context-length 131072 --mem-fraction-static 0.85 --enable-cache-report --enable-metrics --port 30000 &
-    python bench/serve_replay.py --url http://127.0.0.1:30000 --model-path /tmp/qwen3-8b --preset swe --count 8 \\
+    python bench/serve_replay.py --url http://127.0.0.1:30000 --model-path build/qwen3-8b --preset swe --count 8 \\
         --start-turn 40 --max-turns 60 --run-seconds 90 --methods full,standard,text_engineering,trim \\
         --concurrency 1,4,8,16,32 --label "stock sglang 0.5.16, flashinfer" \\
         --out bench/results/serve_replay_stock_flashinfer.json
@@ -31,19 +31,15 @@ concurrency) run lasts about `--run-seconds` plus its longest request):
 (the model folder: `tools/gpu/make_models.py --qwen3-8b` with `max_position_embeddings` set to
 131072, as replay_suite.py writes it). Dry run on CPU against the loopback stand-in:
 
-    python bench/serve_replay.py --loopback --count 1 --max-turns 6 --concurrency 1,2 --out /tmp/replay.json
+    python bench/serve_replay.py --loopback --count 1 --max-turns 6 --concurrency 1,2 --out build/replay-loopback.json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import shlex
 import sys
 import time
-import urllib.error
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -58,6 +54,7 @@ from bench.agent_replay.methods import Method, default_methods  # noqa: E402
 from bench.agent_replay.pool import PoolMonitor  # noqa: E402
 from bench.agent_replay.serve import Sample, prepare, replay, sample_dicts, summarize  # noqa: E402
 from bench.agent_replay.trajectories import PRESETS, Trajectory, generate, load_jsonl, truncate  # noqa: E402
+from bench.harness import client, results  # noqa: E402
 
 COLUMNS = (("method", "method"), ("concurrency", "conc."), ("requests", "requests"), ("failed", "failed"),
            ("output_tok_per_s", "output tok/s"), ("input_tok_per_s", "input tok/s"), ("cached_fraction", "cached"),
@@ -137,11 +134,10 @@ def with_messages(trajectories: list[Trajectory], args: argparse.Namespace) -> t
 
 
 def flush(url: str) -> bool:
+    """Whether the server flushed its cache (a stand-in without ``/flush_cache`` did not)."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/flush_cache", data=b"", method="POST"),
-                                    timeout=60) as response:
-            return 200 <= response.status < 300
-    except (urllib.error.URLError, OSError):
+        return client.flush_cache(url.rstrip("/")) == 200
+    except OSError:
         return False
 
 
@@ -202,22 +198,20 @@ def choose_methods(names: str, args: argparse.Namespace) -> list[Method]:
 
 
 def write_results(out: Path, result: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    results.write(result, out)
     out.with_suffix(".md").write_text(f"`{result['command']}`\n\n{result['label']}\n\n{markdown(result['rows'])}",
                                       encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python bench/serve_replay.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     chosen = choose_methods(args.methods, args)
     levels = [int(c) for c in args.concurrency.split(",")]
     trajectories, filler = with_messages(load_trajectories(args), args)
     print(f"{len(trajectories)} trajectories ready; methods {[m.name for m in chosen]}; concurrency {levels}",
           flush=True)
-    result: dict[str, Any] = {"command": command, "label": args.label, "url": "loopback" if args.loopback else args.url,
-                              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run_tag": args.run_tag,
+    result: dict[str, Any] = {**results.header("bench/serve_replay.py", argv), "label": args.label,
+                              "url": "loopback" if args.loopback else args.url, "run_tag": args.run_tag,
                               "trajectories": [t.stats() for t in trajectories], "rows": []}
     samples: dict[str, Any] = {}
     with ExitStack() as stack:

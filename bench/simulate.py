@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from bench.agent_replay.methods import AKV, FullContext, Summarize, Trim, refere
 from bench.agent_replay.plots import line_panels, stacked_bars  # noqa: E402
 from bench.agent_replay.simulator import COUNTS, DEFAULT_POOL_SLOTS, CallRow, PriceTable, run_all, totals  # noqa: E402
 from bench.agent_replay.trajectories import Trajectory, default_set, load_demo_run, load_jsonl  # noqa: E402
+from bench.harness import results  # noqa: E402
 
 BASELINE = "standard"
 
@@ -120,7 +120,8 @@ def markdown(overall: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python bench/simulate.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    head = results.header("bench/simulate.py", argv)
+    command = head["command"]
     prices = PriceTable(args.price_input, args.price_cached, args.price_output)
     trajectories = load(args)
     chosen = methods(args)
@@ -128,12 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(trajectories)} trajectories x {len(chosen)} methods", flush=True)
     started = time.monotonic()
     rows = run_all(trajectories, chosen, prices, args.pool_slots, progress=lambda s: print(s, flush=True))
-    result = {"command": command, "prices_per_million": dataclasses.asdict(prices), "seconds": round(time.monotonic() - started, 1),
+    result = {**head, "prices_per_million": dataclasses.asdict(prices), "seconds": round(time.monotonic() - started, 1),
               "methods": names, "trajectories": [t.stats() for t in trajectories],
               **report(rows, trajectories, names, prices)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     per_call = result.pop("per_call")
-    args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    results.write(result, args.out)
     args.out.with_suffix(".calls.json").write_text(json.dumps({"command": command, "per_call": per_call},
                                                               separators=(",", ":")) + "\n", encoding="utf-8")
     table = markdown(result["totals"])

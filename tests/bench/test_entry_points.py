@@ -45,7 +45,7 @@ def helps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Comp
 
 
 def test_the_entry_points_are_found() -> None:
-    for expected in ("bench/plain_backend.py", "tools/gpu/akv_config_matrix.py", "tools/gpu/akv_served_check.py",
+    for expected in ("bench/plain_backend.py", "bench/akv_config_matrix.py", "bench/akv_served_check.py",
                      "examples/demo.py", "-m akv.system.launch_server", "-m akv.system.reference_server"):
         assert expected in ENTRY_POINTS
 

@@ -1,17 +1,15 @@
-"""tools/gpu/akv_models_check.py's CPU dry run end to end (slow): gpt-oss-tiny and minimax-m2-tiny
+"""bench/akv_models_check.py's CPU dry run end to end (slow): gpt-oss-tiny and minimax-m2-tiny
 on the patched CPU server (FP32) against the exact reference server, with drops and repositions."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-import akv_models_check  # noqa: E402
+from bench import akv_models_check
+from bench.harness import oracle
 
 
 @pytest.mark.slow
@@ -29,6 +27,7 @@ def test_dry_run_serves_both_tiny_models_like_the_reference_server(tmp_path: Pat
     out = tmp_path / "out"
     assert akv_models_check.main(["--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)]) == 0
     report = json.loads((out / "akv_models_check.json").read_text())
+    assert {"command", "commit", "date", "machine"} <= set(report)  # bench/harness/results.py's header
     for name in ("gpt_oss_tiny", "minimax_tiny"):
         part = report["parts"][name]
         assert part["ok"] and part["failures"] == [], (name, part)
@@ -84,8 +83,6 @@ def test_with_plain_requests_scored_on_their_first_token_the_bound_is_a_first_to
     ones set applies to the context requests' first tokens, and a context request is refused when
     its own first token is off by more (its later tokens accumulate decode noise the plain ones
     never show)."""
-    import akv_served_check as served
-
     usage = {"prompt_tokens": 90, "prompt_tokens_details": None}
 
     def row(error: float, first: float) -> dict:
@@ -93,8 +90,8 @@ def test_with_plain_requests_scored_on_their_first_token_the_bound_is_a_first_to
                 "reference_usage": usage}
 
     drift = {"plain-a": row(0.10, 0.10), "plain-b": row(0.02, 0.02), "context-a": row(0.17, 0.08)}
-    assert served.verdict(drift, first_token_bound=True)["failures"] == []
-    assert served.verdict(drift)["failures"] == ["context-a: log-prob error 0.170 > 1.5 x plain 0.100"]
+    assert oracle.verdict(drift, first_token_bound=True)["failures"] == []
+    assert oracle.verdict(drift)["failures"] == ["context-a: log-prob error 0.170 > 1.5 x plain 0.100"]
     wrong = {**drift, "context-b": row(0.20, 0.20)}
-    assert served.verdict(wrong, first_token_bound=True)["failures"] == [
+    assert oracle.verdict(wrong, first_token_bound=True)["failures"] == [
         "context-b: log-prob error 0.200 > 1.5 x plain 0.100"]

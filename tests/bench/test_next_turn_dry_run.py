@@ -7,14 +7,11 @@ tokens, and the floor and trimmed-text requests are served."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import next_turn  # noqa: E402
+from bench import next_turn
 
 
 @pytest.mark.slow
@@ -23,6 +20,7 @@ def test_dry_run_first_context_request_launches_no_new_kernel(tmp_path: Path) ->
     rc = next_turn.main(["--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0 and "error" not in report, report.get("error")
+    assert {"command", "commit", "date", "machine"} <= set(report)  # bench/harness/results.py's header
     assert report["kernel_first_launches_at_ready"] > 0
     rows = report["sizes"]["2"]["rows"]
     assert len(rows) == 2

@@ -19,10 +19,10 @@ from bench.agent_replay.serve import payload, prepare, replay
 from bench.agent_replay.simulator import Simulator
 from bench.agent_replay.trajectories import TINY, from_messages, generate
 
+from bench.replay_suite import CPU_FLAGS
+from bench.harness.servers import Server, free_port_pair
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-from replay_suite import CPU_FLAGS, free_port_pair  # noqa: E402
-from server_process import Server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STOCK = [FullContext(), Summarize(900, summary_tokens=60, name="standard"),

@@ -4,16 +4,11 @@ best concurrency and the markdown table (hand-worked rows); its CPU dry run end 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import replay_suite
 from bench.agent_replay import suite_report as report
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-import replay_suite  # noqa: E402
 
 
 def _row(method, concurrency, out, p95, server="stock", **extra):
@@ -40,7 +35,7 @@ def test_ratios_compare_akv_with_standard_at_equal_concurrency():
 def test_best_concurrency_and_markdown():
     assert report.best(ROWS, "akv_keep12")["concurrency"] == 16
     assert report.best(ROWS, "full") is None
-    result = {"command": "python tools/gpu/replay_suite.py", "label": "test", "rows": ROWS,
+    result = {"command": "python bench/replay_suite.py", "label": "test", "rows": ROWS,
               "ratios": report.ratios(ROWS), "best": {m: report.best(ROWS, m) for m in ("standard", "akv_keep12")},
               "notes": ["patched: akv_keep12 c=32 skipped"]}
     text = report.markdown(result)
@@ -58,6 +53,7 @@ def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(tmp_
             "--stock-methods", "trim", "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
     assert replay_suite.main(argv) == 0
     result = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
+    assert {"command", "commit", "date", "machine"} <= set(result)  # bench/harness/results.py's header
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 3 for r in rows.values())
     assert rows["trim"]["server"] == "stock" and not rows["trim"]["server_reported_akv_usage"]

@@ -1,4 +1,4 @@
-"""tools/gpu/akv_soak.py's CPU dry run end to end (slow): agent conversations, branches, retries,
+"""bench/akv_soak.py's CPU dry run end to end (slow): agent conversations, branches, retries,
 disconnects and bad requests on the patched CPU server with a pool a few times smaller than their
 KV; the report shows evictions, no failure, the pool empty after the flush, and every sampled pair
 within the bound against the exact reference server. After the flush, the copies wave sends every
@@ -12,14 +12,12 @@ and ``test_rounds_left_count_in_admission``.)"""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-import akv_soak  # noqa: E402
+from bench import akv_soak
+from bench.harness import oracle
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +30,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
 @pytest.mark.slow
 def test_dry_run_soak_evicts_stays_exact_and_leaves_the_pool_empty(dry_run: tuple[int, dict, Path]) -> None:
     _, report, out = dry_run
+    assert {"command", "commit", "date", "machine"} <= set(report)  # bench/harness/results.py's header
     before_copies = [f for f in report["failures"] if not f.startswith("copies: ")]
     assert before_copies == [], before_copies
     assert len(report["waves"]) == akv_soak.CPU.turns and "traffic_cut" not in report
@@ -82,8 +81,6 @@ def test_lanes_fork_with_the_same_tokens_and_other_drops(tmp_path: Path) -> None
 
 
 def test_verdict_without_the_same_cache_compares_only_the_residency_free_counts() -> None:
-    import akv_served_check as served
-
     def row(cached: int, skipped: int) -> dict:
         return {"error": 0.0, "margin_at_split": None, "usage": {"prompt_tokens": 90, "prompt_tokens_details": {
             "cached_tokens": cached, "repos_tokens": 0, "drop_skipped_tokens": skipped}},
@@ -91,6 +88,6 @@ def test_verdict_without_the_same_cache_compares_only_the_residency_free_counts(
                 "cached_tokens": 60, "repos_tokens": 0, "drop_skipped_tokens": 20}}}
 
     evicted, wrong = {"plain": row(60, 20), "context": row(5, 20)}, {"plain": row(60, 20), "context": row(60, 7)}
-    assert served.verdict(evicted, same_cache=False)["failures"] == []
-    assert len(served.verdict(evicted)["failures"]) == 1
-    assert len(served.verdict(wrong, same_cache=False)["failures"]) == 1
+    assert oracle.verdict(evicted, same_cache=False)["failures"] == []
+    assert len(oracle.verdict(evicted)["failures"]) == 1
+    assert len(oracle.verdict(wrong, same_cache=False)["failures"]) == 1

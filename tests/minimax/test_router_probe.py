@@ -1,18 +1,14 @@
-"""tools/gpu/router_ties.py's probe: the gaps it records are the biased router scores' k-th minus
+"""bench/router_ties.py's probe: the gaps it records are the biased router scores' k-th minus
 (k+1)-th, computed here from the weights; a swap changes one row of one call, as asked."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
 from akv.system.reference.minimax_m2 import MiniMaxM2Model
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-from router_ties import RouterProbe, token_gaps  # noqa: E402
+from bench.router_ties import RouterProbe, token_gaps
 
 
 def _inputs(minimax: MiniMaxM2Model, layer: int) -> torch.Tensor:

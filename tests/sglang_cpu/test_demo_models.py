@@ -20,9 +20,8 @@ from .conftest import HERE, ROOT, STRICT
 from .test_http import post
 from .test_models import gpt_oss_tiny, minimax_tiny  # noqa: F401 - the model fixtures
 
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
-import akv_models_check  # noqa: E402
-import server_process  # noqa: E402
+from bench import akv_models_check  # noqa: E402
+from bench.harness import servers as server_process  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DEMO = ["--scripted", "--steps", "4", "--manifest-lines", "3", "--max-tokens", "4"]

@@ -2,7 +2,7 @@
 
 The HTTP answers themselves (400 naming the field, usage counters) are checked against a running
 server: on the CPU by tests/sglang_cpu/test_http.py, on the H200 by tools/gpu/smoke_client.py and
-tools/gpu/akv_served_check.py."""
+bench/akv_served_check.py."""
 
 from __future__ import annotations
 

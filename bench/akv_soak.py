@@ -12,7 +12,7 @@ wave 1 a client that disconnects mid-stream; streamed and non-streamed requests;
 (a misspelt ``drop_messages``, a drop of a later message) that must be 400s naming the field.
 Each wave also carries a sampled pair, a context request and the same messages plain (greedy, 8
 tokens, log-probs), answered again by the reference server after the wave and judged by
-``akv_served_check.verdict`` (context error within 1.5x the plain requests', tokens equal where the
+``bench.harness.oracle.verdict`` (context error within 1.5x the plain requests', tokens equal where the
 reference's top-2 margin exceeds that, prompt and drop-skipped tokens equal: cached and re-rotated
 counts depend on what the soak left resident); a sample that would overrun the deadline is skipped
 and says so. After the flush, a copies wave: every lane's last request again at once (the pool
@@ -36,13 +36,13 @@ most ~100 s before the deadline (AKV_SOAK_DEADLINE_S, default 470 s from this sc
 after another bench, set it to what is left), then idle + flush + the idle gauges' refresh (~35 s) and
 the copies wave; ~9 minutes in all. A wave whose replies do not come in 240 s ends the traffic::
 
-    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_soak.py" DEADLINE_S=560 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/akv_soak.py" DEADLINE_S=560 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 
 CPU dry run (the same flow: tiny random Qwen3 in sharded files, the CPU patched server FP32, the
 CPU reference server, a 768-token pool, 3 agents + 2 branches over 6 turns, no tools in the requests;
 ~4 minutes on two idle cores, twice that on a loaded machine)::
 
-    python tools/gpu/akv_soak.py --dry-run [--work DIR] [--out DIR]
+    python bench/akv_soak.py --dry-run [--work DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,13 +64,13 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import akv_8b_check as big  # noqa: E402
 from akv import cli  # noqa: E402
-import akv_served_check as served  # noqa: E402
-import server_process  # noqa: E402
+from bench.harness import client, oracle, results, servers  # noqa: E402
+from bench.harness.client import read_metrics  # noqa: E402
+from bench.harness.models import make_qwen3_8b_random  # noqa: E402
 
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 GPU_FLAGS = ["--dtype", "bfloat16", "--attention-backend", "flashinfer", "--page-size", "1",
@@ -80,9 +79,8 @@ GPU_FLAGS = ["--dtype", "bfloat16", "--attention-backend", "flashinfer", "--page
              "--enable-cache-report", "--enable-metrics"]
 """The decode bench's FlashInfer flags (its carried kernels fit). SGLang sizes its pool from the memory
 free at its start less 20%, capped by --max-total-tokens, so the reference loading beside it fits."""
-CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
-             "--chunked-prefill-size", "256", "--skip-server-warmup", "--mem-fraction-static", "0.5",
-             "--enable-cache-report", "--enable-metrics"]
+CPU_FLAGS = [*servers.CPU_BASE, "--chunked-prefill-size", "256", "--skip-server-warmup", "--enable-metrics"]
+"""The pool size (``--max-total-tokens``) is the scale's."""
 CPU_BOUND_FLOOR = 1e-3
 """Dry run only: in FP32 on the CPU plain and context errors are both noise (~1e-5)."""
 FINAL_RESERVE_S = 100.0
@@ -131,8 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--soak-s", type=float, default=None, help="traffic budget after the server is up (default 300)")
     p.add_argument("--ready-timeout", type=float, default=420.0)
     args = p.parse_args(argv)
-    if (args.out / "akv_soak.json").exists():
-        p.error(f"{args.out / 'akv_soak.json'} exists; results are never replaced: give a new --out")
+    results.refuse_existing(p, args.out / "akv_soak.json")
+    args.argv = sys.argv[1:] if argv is None else argv
     args.scale = CPU if args.dry_run else GPU
     if args.deadline_s is None:
         args.deadline_s = float(os.environ.get("AKV_SOAK_DEADLINE_S", args.scale.deadline_s))
@@ -187,7 +185,7 @@ class Lane:
             self.repositions.append(anchor)
 
     def body(self, plain: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {"messages": list(self.messages), **({"tools": big.TOOLS} if self.tools else {})}
+        out: dict[str, Any] = {"messages": list(self.messages), **({"tools": client.TOOLS} if self.tools else {})}
         if not plain and self.drops:
             out["drop_message"] = {k: list(v) for k, v in self.drops.items()}
         if not plain and self.repositions:
@@ -309,18 +307,6 @@ class Sampler(threading.Thread):
         return row
 
 
-def read_metrics(url: str) -> dict[str, float]:
-    """Every ``sglang:`` sample of ``/metrics``, summed over label sets, by name without the prefix."""
-    with cli.open_request(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("sglang:"):
-            name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1]
-            out[name.removeprefix("sglang:")] = out.get(name.removeprefix("sglang:"), 0.0) + float(value)
-    return out
-
-
 def pool_svg(samples: list[dict[str, Any]], pool: int, marks: list[tuple[float, str]]) -> str:
     """Pool occupancy over time: tokens held by requests, held by the tree (evictable), free; and
     AKV's evicted-token counter; wave starts as ticks."""
@@ -371,7 +357,7 @@ class Soak:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.scale, self.started = args, args.scale, time.time()
-        self.report: dict[str, Any] = {"command": "python tools/gpu/akv_soak.py " + " ".join(sys.argv[1:]),
+        self.report: dict[str, Any] = {**results.header("bench/akv_soak.py", args.argv),
                                        "dry_run": args.dry_run, "deadline_s": args.deadline_s,
                                        "scale": self.scale.__dict__, "waves": [], "failures": []}
         self.outcomes: list[dict[str, Any]] = []
@@ -395,12 +381,10 @@ class Soak:
             self.report["timeline"] = list(self.sampler.samples)
             pool = int(self.report.get("pool_tokens") or self.scale.pool)
             (out / "akv_soak_pool.svg").write_text(pool_svg(self.sampler.samples, pool, self.marks))
-        (out / "akv_soak.json").write_text(json.dumps(self.report, indent=1) + "\n")
-        copy_to = os.environ.get("OUT")
-        if copy_to and Path(copy_to).resolve() != out.resolve():
-            for name in ("akv_soak.json", "akv_soak_pool.svg"):
-                if (out / name).exists():
-                    shutil.copy(out / name, Path(copy_to) / name)
+            copy_to = os.environ.get("OUT")
+            if copy_to and Path(copy_to).resolve() != out.resolve():
+                shutil.copy(out / "akv_soak_pool.svg", Path(copy_to) / "akv_soak_pool.svg")
+        results.write(self.report, out / "akv_soak.json", copy_to_out=True)
 
     def waves(self, url: str, reference_url: str, tokenizer: Any) -> None:
         """Turn after turn of every lane, one wave at a time, until the turns or the time run out."""
@@ -469,12 +453,12 @@ class Soak:
                 continue
             t = time.time()
             try:
-                want = served.post(reference_url, job.body)
+                want = client.chat(reference_url, job.body)
             except OSError as exc:
                 failures.append(f"{job.name}: the reference server failed: {exc!r}"[:300])
                 continue
             sample_cost = max(sample_cost, time.time() - t)
-            self.rows[job.name] = served.compare(outcome["reply"], want)
+            self.rows[job.name] = oracle.compare(outcome["reply"], want)
             samples[job.name] = {k: self.rows[job.name][k] for k in ("error", "agree", "n", "margin_at_split")}
         for outcome in outcomes:
             outcome.pop("reply", None)
@@ -525,10 +509,10 @@ class Soak:
             "near_full_samples": sum(s.get("kv_available_tokens", pool) < 0.1 * pool for s in samples),
             "samples": len(samples), "sampler_errors": self.sampler.errors if self.sampler else None}
         if any(n.startswith("plain") for n in self.rows):
-            verdict = served.verdict(self.rows, CPU_BOUND_FLOOR if self.args.dry_run else 0.0, same_cache=False)
+            verdict = oracle.verdict(self.rows, CPU_BOUND_FLOOR if self.args.dry_run else 0.0, same_cache=False)
             self.report["oracle"] = {**verdict, "pairs": len(self.rows), "rows": self.rows}
 
-    def finish(self, server: big.Server) -> None:
+    def finish(self, server: servers.Server) -> None:
         """Idle, flush, the pool back to empty, then every end-of-run check into ``failures``."""
         failures = self.report["failures"]
         try:
@@ -587,7 +571,7 @@ class Soak:
         return {"requests": len(jobs), "tripled": target.name, "seconds": round(time.time() - started, 1),
                 "failures": failures}
 
-    def flush(self, server: big.Server) -> dict[str, Any]:
+    def flush(self, server: servers.Server) -> dict[str, Any]:
         """Wait (bounded) for the server to go idle, flush its cache, wait for the idle gauges to show an
         empty pool: what was seen."""
         after: dict[str, Any] = {"pool_empty": False}
@@ -601,12 +585,7 @@ class Soak:
         time.sleep(1.0)
         idle = read_metrics(server.url)
         after["idle_metrics"] = {k: idle[k] for k in Sampler.GAUGES if k in idle}
-        try:
-            with urllib.request.urlopen(urllib.request.Request(f"{server.url}/flush_cache", method="POST"),
-                                        timeout=60) as r:
-                after["flush_status"] = r.status
-        except urllib.error.HTTPError as exc:
-            after["flush_status"] = exc.code
+        after["flush_status"] = client.flush_cache(server.url)
         flushed = time.time()
         while time.time() - flushed < 45 and self.left() > 5:
             m, load = read_metrics(server.url), self.sampler.read()
@@ -624,8 +603,6 @@ def make_model(args: argparse.Namespace, log: Any) -> Path:
     """The dry run's tiny random Qwen3 (sharded), or the 8B shape with random weights (reused if whole)."""
     from akv.system.models.tiny import make_tiny_model
 
-    import make_models
-
     if args.dry_run:
         return make_tiny_model(args.work / "tiny-qwen3-sharded", seed=3, dtype="bfloat16", log=log, **DRY_SHAPE)
     folder = args.work / "qwen3-8b-random"
@@ -635,7 +612,7 @@ def make_model(args: argparse.Namespace, log: Any) -> Path:
         return folder
     import torch
 
-    made = make_models.make_qwen3_8b_random(folder, seed=0, log=log)
+    made = make_qwen3_8b_random(folder, seed=0, log=log)
     torch.cuda.empty_cache()  # the drawing buffers: free before the server sizes its pool
     return made
 
@@ -662,20 +639,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the server, keep the report
     args = parse_args(argv)
     soak = Soak(args)
-    base = {**os.environ, "PYTHONUNBUFFERED": "1", **STRICT}
+    base = {**os.environ, **STRICT}
     if args.dry_run:
-        site = [str(ROOT / "tests" / "sglang_cpu" / "site"), str(server_process.cpu_patched_site(args.work)),
-                str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
-        env, flags, port, device = ({**base, "PYTHONPATH": os.pathsep.join(site)}, CPU_FLAGS,
-                                    server_process.free_port(), "cpu")
+        site = servers.cpu_pythonpath(servers.cpu_patched_site(args.work))
+        env, flags, port, device = {**base, "PYTHONPATH": site}, CPU_FLAGS, servers.free_port(), "cpu"
     else:
-        env, flags, port, device = {**base, "PYTHONPATH": os.environ["PYTHONPATH"]}, GPU_FLAGS, 30040, "cuda"
+        env, flags, port, device = base, GPU_FLAGS, 30040, "cuda"
     model = make_model(args, soak.log)
     soak.report["model"] = {"path": str(model), "config": json.loads((model / "config.json").read_text())}
-    argv_server = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(model), *flags,
-                   "--max-total-tokens", str(args.scale.pool)]
     launched = time.time()
-    server = big.Server("patched", argv_server, env, port, args.out / "server-soak.log")
+    server = servers.launch("patched", "akv.system.launch_server", model,
+                            [*flags, "--max-total-tokens", str(args.scale.pool)], env, port, args.out / "server-soak.log")
     soak.report["server"] = {"command": server.command, "env": STRICT}
     reference: dict[str, Any] = {}
     loader = threading.Thread(target=load_reference, args=(model, args.scale, device, reference))

@@ -27,10 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from akv_8b_check import Server
-from akv_served_check import RATIO, compare, post, requests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from akv import cli
+from akv import cli  # noqa: E402
+from bench.harness import client, oracle, results, servers  # noqa: E402
+from bench.harness.oracle import RATIO, compare, requests  # noqa: E402
 
 CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "triton-eager": (["--attention-backend", "triton", "--disable-cuda-graph", "--disable-overlap-schedule"], {}),
@@ -56,19 +57,12 @@ def conversation(seed: int) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def counter(url: str, name: str) -> float:
-    with cli.open_request(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"sglang:akv_{name}") and not line.startswith("#"))
-
-
 def serve_traffic(url: str, traffic: list[list[tuple[str, dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
     """The first conversation alone, then the others concurrently (each in its own order)."""
-    replies = {name: post(url, body) for name, body in traffic[0]}
+    replies = {name: client.chat(url, body) for name, body in traffic[0]}
 
     def run(conv: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-        return {name: post(url, body) for name, body in conv}
+        return {name: client.chat(url, body) for name, body in conv}
 
     with ThreadPoolExecutor(len(traffic) - 1) as pool:
         for part in pool.map(run, traffic[1:]):
@@ -121,58 +115,52 @@ def main(argv: list[str] | None = None) -> int:
                         help="configurations to run (default: $AKV_MATRIX_CONFIGS, else all)")
     args = parser.parse_args(argv)
     model, out, chosen = Path(args.model), args.out_dir / "akv_config_matrix.json", args.configs
-    if out.exists():
-        parser.error(f"{out} exists; results are never replaced")
+    results.refuse_existing(parser, out)
     started = time.time()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **STRICT}
+    env = {**os.environ, **STRICT}
 
-    def start(name: str) -> Server:
-        argv = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(model), *COMMON, *CONFIGS[name][0]]
-        return Server(name, argv, {**env, **CONFIGS[name][1]}, 30100 + chosen.index(name),
-                      out.parent / f"server-matrix-{name}.log")
+    def start(name: str) -> servers.Server:
+        return servers.launch(name, "akv.system.launch_server", model, [*COMMON, *CONFIGS[name][0]],
+                              {**env, **CONFIGS[name][1]}, 30100 + chosen.index(name),
+                              out.parent / f"server-matrix-{name}.log")
 
     # the eager configurations first (they compile the JIT kernels once), the others once those are up
     first = [n for n in chosen if n.endswith("-eager")] or chosen[:1]
-    servers = {name: start(name) for name in first}
+    running = {name: start(name) for name in first}
     traffic = [conversation(seed) for seed in range(1 + N_CONCURRENT)]
     n_context = sum("/context" in name for conv in traffic for name, _ in conv)
-    report: dict[str, Any] = {"command": "tools/gpu/akv_config_matrix.py (tools/gpu/run.sh AKV_BENCH)",
-                              "server_args": COMMON, "configs": {n: CONFIGS[n][0] + [f"{k}={v}" for k, v in CONFIGS[n][1].items()]
-                                                                 for n in chosen}}
-    from akv.system.reference_server import Engine, ReferenceServer  # here: --help needs no torch
-
-    reference_server = ReferenceServer(Engine(model, name="default", kv_slots=32768))
-    reference_server.start_in_background()
+    report: dict[str, Any] = {**results.header("bench/akv_config_matrix.py", argv), "server_args": COMMON,
+                              "configs": {n: CONFIGS[n][0] + [f"{k}={v}" for k, v in CONFIGS[n][1].items()]
+                                          for n in chosen}}
     try:
-        reference = {name: post(reference_server.url, body) for conv in traffic for name, body in conv}
-        report["reference_s"] = round(time.time() - started, 1)
-        print(f"reference: {len(reference)} requests in {report['reference_s']} s", flush=True)
-        replies, results = {}, {}
-        for name in first:
-            with contextlib.suppress(Exception):  # a server that does not come up is reported below
-                servers[name].wait(max(60.0, 420 - (time.time() - started)))
-        servers.update({name: start(name) for name in chosen if name not in servers})
-        for name in chosen:
-            server = servers[name]
-            try:
-                server.wait(max(60.0, 480 - (time.time() - started)))
-                t = time.time()
-                replies[name] = serve_traffic(server.url, traffic)
-                results[name] = check_config(name, replies[name], reference, n_context,
-                                             counter(server.url, "context_requests_total"))
-                results[name]["seconds"] = round(time.time() - t, 1)
-            except Exception as exc:  # noqa: BLE001 - a configuration that fails is reported, the rest still run
-                results[name] = {"failures": [f"{type(exc).__name__}: {exc}"]}
-            print(name, json.dumps(results[name])[:700], flush=True)
-        report["results"] = results
-        report["cross_config_max_logprob_difference"] = cross_config(replies)
+        with oracle.reference_server(model, kv_slots=32768) as reference_server:
+            reference = {name: client.chat(reference_server.url, body) for conv in traffic for name, body in conv}
+            report["reference_s"] = round(time.time() - started, 1)
+            print(f"reference: {len(reference)} requests in {report['reference_s']} s", flush=True)
+            replies, outcome = {}, {}
+            for name in first:
+                with contextlib.suppress(Exception):  # a server that does not come up is reported below
+                    running[name].wait(max(60.0, 420 - (time.time() - started)))
+            running.update({name: start(name) for name in chosen if name not in running})
+            for name in chosen:
+                server = running[name]
+                try:
+                    server.wait(max(60.0, 480 - (time.time() - started)))
+                    t = time.time()
+                    replies[name] = serve_traffic(server.url, traffic)
+                    outcome[name] = check_config(name, replies[name], reference, n_context,
+                                                 client.read_metrics(server.url, 30).get("akv_context_requests_total", 0.0))
+                    outcome[name]["seconds"] = round(time.time() - t, 1)
+                except Exception as exc:  # noqa: BLE001 - a configuration that fails is reported, the rest still run
+                    outcome[name] = {"failures": [f"{type(exc).__name__}: {exc}"]}
+                print(name, json.dumps(outcome[name])[:700], flush=True)
+            report["results"] = outcome
+            report["cross_config_max_logprob_difference"] = cross_config(replies)
     finally:
-        reference_server.shutdown()
-        reference_server.server_close()
-        for server in servers.values():
+        for server in running.values():
             server.stop()
         report["total_s"] = round(time.time() - started, 1)
-        out.write_text(json.dumps(report, indent=2))
+        results.write(report, out, indent=2)
     failures = [f for r in report.get("results", {}).values() for f in r["failures"]]
     print(json.dumps({"cross": report.get("cross_config_max_logprob_difference"), "failures": failures[:20]}, indent=2))
     return 1 if failures or len(report.get("results", {})) < len(chosen) else 0

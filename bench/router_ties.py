@@ -3,32 +3,31 @@
 Where the exact reference's router is close to a tie at a token whose log-probs are compared (the
 last prompt token, then each decode step), bf16 arithmetic on the GPU may choose the other expert,
 and that token's log-probs move far beyond bf16 noise: in plain and context requests alike, with
-nothing wrong in the cache. For each request of ``akv_served_check.requests(WINDOW_WORDS)``, served in
+nothing wrong in the cache. For each request of ``bench.harness.oracle.requests(WINDOW_WORDS)``, served in
 order on one reference engine as the check serves them: per generated token the smallest gap, over
 layers, between the k-th and (k+1)-th biased router score of that token. For a first token whose gap
 is below ``--below``: its log-probs with that expert swapped for the next (the request rerun on an
 empty cache, where the reference computes the same logits), and the error the check would then show.
 
-    python tools/gpu/router_ties.py [--model DIR] [--tokens 8] [--below 0.005] [--out FILE]
+    python bench/router_ties.py [--model DIR] [--tokens 8] [--below 0.005] [--out FILE]
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import akv_served_check as served  # noqa: E402
 from akv import cli  # noqa: E402
 from akv.system.reference.minimax_m2 import MiniMaxM2Model  # noqa: E402
 from akv.system.reference_server import Engine  # noqa: E402
 from akv.system.reference_server.protocol import parse_chat_request  # noqa: E402
+from bench.harness import oracle, results  # noqa: E402
 
 
 class RouterProbe:
@@ -60,7 +59,7 @@ class RouterProbe:
 
 
 def generate(engine: Engine, body: dict[str, Any], tokens: int) -> list[Any]:
-    """The reference's token steps for ``body`` (greedy, as akv_served_check.post asks)."""
+    """The reference's token steps for ``body`` (greedy, as the checks ask: bench.harness.client.chat)."""
     request = parse_chat_request({"model": "default", "max_tokens": tokens, "temperature": 0.0, "logprobs": True,
                                   "top_logprobs": 2, **body}, "default", engine.content_format)
     return list(engine.generate(engine.prepare(request), request, None).steps)
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     probe, cold_probe = RouterProbe(serving.model), RouterProbe(cold.model)
     n_layers = serving.model.config.num_layers
     rows = {}
-    for name, body in served.requests(served.WINDOW_WORDS):
+    for name, body in oracle.requests(oracle.WINDOW_WORDS):
         probe.calls = []
         steps = generate(serving, body, args.tokens)
         gaps = token_gaps(probe.calls, len(steps), n_layers)
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f"\n    layer {layer} gap {s['gap']:.5f}: swapped top {s['top']}, first-token error "
                         f"{s['error_if_served']:.4f} if served" for layer, s in swaps.items()), flush=True)
     if args.out is not None:
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        results.write({**results.header("bench/router_ties.py", argv), "rows": rows}, args.out)
     return 0
 
 

@@ -27,68 +27,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import server_process
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from akv import cli
-from akv.agent import CachePolicy, CacheOperationHistory, ResultSelection, TurnReposition, TurnTrigger
+from akv import cli  # noqa: E402
+from akv.agent import CachePolicy, CacheOperationHistory, ResultSelection, TurnReposition, TurnTrigger  # noqa: E402
+from bench.harness import results, servers  # noqa: E402
+from bench.harness.client import TOOLS, logprobs, tokens  # noqa: E402
+from bench.harness.conversations import Conversation  # noqa: E402
+from bench.harness.servers import Server  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
-                                          "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
-                                                         "required": ["id"]}}}]
 COMMON = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton",
           "--page-size", "1", "--chunked-prefill-size", "8192",
           "--max-total-tokens", "150000", "--mem-fraction-static", "0.42", "--cuda-graph-max-bs", "8",
           "--enable-cache-report", "--sampling-backend", "pytorch", "--context-length", "40960"]
 
 
-class Server(server_process.Server):
-    """A server started at once, with a chat call that records its latency."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
-        super().__init__(name, argv, env, port, log)
-        self.start()
-
-    def chat(self, body: dict[str, Any], max_tokens: int = 8) -> dict[str, Any]:
-        full = {"model": "default", "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True,
-                "top_logprobs": 1, "tools": TOOLS, **body}
-        started = time.perf_counter()
-        reply = cli.request_json(f"{self.url}/v1/chat/completions", full, timeout=600)
-        reply["seconds"] = time.perf_counter() - started
-        return reply
-
-
-def tokens(reply: dict[str, Any]) -> list[str]:
-    return [t["token"] for t in reply["choices"][0]["logprobs"]["content"]]
-
-
-def logprobs(reply: dict[str, Any]) -> list[float]:
-    return [t["logprob"] for t in reply["choices"][0]["logprobs"]["content"]]
-
-
-class Conversation:
-    """A record-chain agent conversation whose tool results have about ``result_tokens`` tokens."""
-
-    def __init__(self, tokenizer: Any, seed: int, result_tokens: int) -> None:
-        self.tokenizer, self.seed, self.result_tokens = tokenizer, seed, result_tokens
-        self.messages: list[dict[str, Any]] = [
-            {"role": "system", "content": f"Run {seed}: follow chains of records with read_record."},
-            {"role": "user", "content": f"Start at record {seed}-0 and follow the chain to its end."}]
-
-    def _text(self, i: int, n_tokens: int) -> str:
-        words, text = [], ""
-        while len(self.tokenizer(text).input_ids) < n_tokens:
-            words.extend(f"r{self.seed}x{i}w{j} v{(j * 7919 + i) % 1000}" for j in range(len(words), len(words) + 50))
-            text = " ".join(words)
-        return text
-
-    def step(self, n_tokens: int | None = None) -> None:
-        i = len(self.messages) // 2
-        call_id = f"call_{self.seed}_{i}"
-        self.messages.append({"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function",
-                              "function": {"name": "read_record", "arguments": json.dumps({"id": f"{self.seed}-{i}"})}}]})
-        self.messages.append({"role": "tool", "tool_call_id": call_id,
-                              "content": self._text(i, n_tokens or self.result_tokens)})
+def chat(server: Server, body: dict[str, Any], max_tokens: int = 8) -> dict[str, Any]:
+    """A greedy request with the record tool (top log-prob only), timed."""
+    return server.chat({"tools": TOOLS, **body}, max_tokens, top_logprobs=1)
 
 
 def check_plain_identity(patched: Server, stock: Server, tokenizer: Any) -> dict[str, Any]:
@@ -97,7 +53,7 @@ def check_plain_identity(patched: Server, stock: Server, tokenizer: Any) -> dict
         conv = Conversation(tokenizer, seed, 300)
         for _ in range(turns):
             conv.step()
-        a, b = patched.chat({"messages": conv.messages}, 16), stock.chat({"messages": conv.messages}, 16)
+        a, b = chat(patched, {"messages": conv.messages}, 16), chat(stock, {"messages": conv.messages}, 16)
         rows.append({"prompt_tokens": a["usage"]["prompt_tokens"], "identical": tokens(a) == tokens(b),
                      "max_logprob_diff": max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b)))})
     return {"rows": rows, "ok": all(r["identical"] for r in rows)}
@@ -111,7 +67,7 @@ def check_ten_turns(patched: Server, tokenizer: Any) -> dict[str, Any]:
         payload, history = policy.process({"model": "default", "messages": list(conv.messages), "tools": TOOLS},
                                           history)
         history = CacheOperationHistory.from_json(history.to_json())
-        reply = patched.chat({k: v for k, v in payload.items() if k != "tools"})
+        reply = chat(patched, {k: v for k, v in payload.items() if k != "tools"})
         rows.append({"prompt_tokens": reply["usage"]["prompt_tokens"], "details": reply["usage"]["prompt_tokens_details"],
                      "seconds": round(reply["seconds"], 3), "drops": payload.get("drop_message"),
                      "reposition": payload.get("reposition")})
@@ -129,8 +85,8 @@ def check_equivalence(patched: Server, tokenizer: Any) -> dict[str, Any]:
     conv.messages = list(plain)
     conv.step()
     last = len(conv.messages) - 1
-    cold, warm = patched.chat({"messages": plain}), patched.chat({"messages": plain})
-    dropped = patched.chat({"messages": conv.messages, "drop_message": {str(last): [last - 1, last]},
+    cold, warm = chat(patched, {"messages": plain}), chat(patched, {"messages": plain})
+    dropped = chat(patched, {"messages": conv.messages, "drop_message": {str(last): [last - 1, last]},
                             "reposition": [last]})
     noise = max(abs(x - y) for x, y in zip(logprobs(cold), logprobs(warm)))
     diff = max(abs(x - y) for x, y in zip(logprobs(warm), logprobs(dropped)))
@@ -149,12 +105,12 @@ def ttft_trial(patched: Server, stock: Server, tokenizer: Any, seed: int) -> dic
     conv.step()
     nxt = list(conv.messages)
     anchor = len(nxt) - 1
-    patched.chat({"messages": turn}, 1)
-    akv = patched.chat({"messages": nxt, "drop_message": {str(anchor): dropped}, "reposition": [anchor]}, 1)
+    chat(patched, {"messages": turn}, 1)
+    akv = chat(patched, {"messages": nxt, "drop_message": {str(anchor): dropped}, "reposition": [anchor]}, 1)
     live = [m for i, m in enumerate(nxt) if i not in dropped]
-    trimmed = stock.chat({"messages": live}, 1)
-    stock.chat({"messages": live[:-2]}, 1)
-    floor = stock.chat({"messages": live}, 1)
+    trimmed = chat(stock, {"messages": live}, 1)
+    chat(stock, {"messages": live[:-2]}, 1)
+    floor = chat(stock, {"messages": live}, 1)
     return {"prompt_tokens_full": akv["usage"]["prompt_tokens"], "live_prompt_tokens": trimmed["usage"]["prompt_tokens"],
             "akv_s": akv["seconds"], "trimmed_text_s": trimmed["seconds"], "floor_s": floor["seconds"],
             "akv_usage": akv["usage"]["prompt_tokens_details"], "floor_cached": floor["usage"]["prompt_tokens_details"]}
@@ -166,14 +122,15 @@ def parser_8b(doc: str, result: str) -> Any:
     parser.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"),
                         required=os.environ.get("AKV_MODEL_8B") is None,
                         help="the 8B-shaped model folder (default: $AKV_MODEL_8B)")
-    parser.add_argument("--stock-site", type=Path, default=Path("/tmp/site-stock"),
-                        help="where the stock SGLang site is unpacked")
+    parser.add_argument("--stock-site", type=Path, default=servers.stock_site_default(),
+                        help="where the stock SGLang site is unpacked (default: $AKV_STOCK_SITE, which "
+                             "tools/gpu/run.sh sets, else build/stock-site)")
     parser.add_argument("--out", type=cli.new_file, default=str(Path(os.environ.get("AKV_BENCH_OUT", ".")) / result),
                         help=f"a new JSON file (default: $AKV_BENCH_OUT/{result})")
     return parser
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = parser_8b(__doc__, "akv_8b_check.json")
     parser.add_argument("--trials", type=int, default=int(os.environ.get("AKV_TTFT_TRIALS", "3")),
                         help="TTFT trials (default: $AKV_TTFT_TRIALS, else 3)")
@@ -181,20 +138,17 @@ def main() -> int:
                         help="skip the checks (default: $AKV_ONLY_TTFT == 1)")
     parser.add_argument("--py-spy", default=os.environ.get("AKV_PY_SPY"),
                         help="py-spy binary: record the patched server's processes during the TTFT trials")
-    args = parser.parse_args()
-    server_process.unpack_stock_site(args.stock_site)
+    args = parser.parse_args(argv)
+    servers.unpack_stock_site(args.stock_site)
     from transformers import AutoTokenizer  # here: --help needs no transformers
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    patched_env = {**base_env, "PYTHONPATH": os.environ["PYTHONPATH"]}
-    stock_env = {**base_env, "PYTHONPATH": str(args.stock_site)}
     logs = args.out.parent
-    patched = Server("patched", [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(args.model),
-                                 *COMMON], patched_env, 30010, logs / "server-8b-patched.log")
-    stock = Server("stock", [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), *COMMON],
-                   stock_env, 30011, logs / "server-8b-stock.log")
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON}
+    patched = servers.launch("patched", "akv.system.launch_server", args.model, COMMON, dict(os.environ), 30010,
+                             logs / "server-8b-patched.log")
+    stock = servers.launch("stock", "sglang.launch_server", args.model, COMMON,
+                           {**os.environ, "PYTHONPATH": str(args.stock_site)}, 30011, logs / "server-8b-stock.log")
+    report: dict[str, Any] = {**results.header("bench/akv_8b_check.py", argv), "server_args": COMMON}
     started = time.time()
     try:
         patched.wait(420)
@@ -228,7 +182,7 @@ def main() -> int:
         patched.stop()
         stock.stop()
         report["total_s"] = round(time.time() - started, 1)
-        args.out.write_text(json.dumps(report, indent=2))
+        results.write(report, args.out, indent=2)
     ok = args.only_ttft or all(report.get(k, {}).get("ok") for k in ("plain_identity", "ten_turns", "equivalence"))
     print(json.dumps({k: report[k].get("ok") for k in ("plain_identity", "ten_turns", "equivalence") if k in report}))
     return 0 if ok else 1

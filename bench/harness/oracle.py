@@ -1,33 +1,20 @@
-"""On the H200, with the patched server up on the tiny random Qwen3 (``SGLANG_BASE_URL``, bf16):
-the same chat requests, plain and with ``drop_message``/``reposition``, go to it and to the exact
-CPU reference server (FP32, the oracle's arithmetic) started here on the same weights.
-
-Per request: the served token log-probs against the reference's (until the first differing token),
-the reference's top-2 margin wherever the tokens differ, and the usage. SGLang's CUDA RMSNorm has
-no FP32 path, so the bound is measured, not assumed: context requests must stay within 1.5x the
-largest error of the plain requests in the same run, greedy tokens must agree wherever the
-reference's top-2 margin exceeds that error, and usage must equal the reference server's.
-
-Writes ``$AKV_BENCH_OUT/akv_served_check.json``; exits 1 if a check fails. Each environment variable
-has a flag instead (``--help``).
-"""
+"""The comparison with the exact reference server that the device checks share: an agent's
+record-chain conversation (plain turns, then turns with ``drop_message``/``reposition``, a plain
+probe after each), each request's served log-probs and usage against the reference's, and the
+verdict: context requests within 1.5x the plain requests' largest error, greedy tokens equal wherever
+the reference's top-2 margin exceeds that bound, usage equal."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from akv import cli
+from bench.harness import client
 
 RATIO = 1.5
-TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "Read one record",
-                                          "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
-                                                         "required": ["id"]}}}]
 
 
 def call(i: int) -> dict[str, Any]:
@@ -42,7 +29,7 @@ def result(i: int, words: int) -> dict[str, Any]:
 
 DEFAULT_WORDS = tuple(40 + 13 * turn for turn in range(8))
 WINDOW_WORDS = (30, 30, 3, 3, 30, 3, 3, 30)
-"""Tool results of ~130 or ~25 tokens (tools/gpu/akv_models_check.py): with a 128-token sliding window
+"""Tool results of ~130 or ~25 tokens (bench/akv_models_check.py): with a 128-token sliding window
 the drops of turns 3 and 6 lie inside the generation prompt's window, the others outside it."""
 
 
@@ -63,7 +50,7 @@ def requests(words: Sequence[int] = DEFAULT_WORDS) -> list[tuple[str, dict[str, 
             drops[str(anchor)] = [anchor - 4]
         if turn >= 3 and turn % 2 == 1:
             repositions.append(anchor)
-        body: dict[str, Any] = {"messages": list(history), "tools": TOOLS}
+        body: dict[str, Any] = {"messages": list(history), "tools": client.TOOLS}
         if drops or repositions:
             body["drop_message"] = {k: list(v) for k, v in drops.items()}
             if repositions:
@@ -72,13 +59,8 @@ def requests(words: Sequence[int] = DEFAULT_WORDS) -> list[tuple[str, dict[str, 
         else:
             out.append((f"plain-turn-{turn}", body))
         out.append((f"plain-probe-{turn}", {"messages": list(history)[:-1] + [
-            {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"probe {turn}"}], "tools": TOOLS}))
+            {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"probe {turn}"}], "tools": client.TOOLS}))
     return out
-
-
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    full = {"model": "default", "max_tokens": 8, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, **body}
-    return cli.request_json(f"{url}/v1/chat/completions", full, timeout=300)
 
 
 def compare(got: dict[str, Any], want: dict[str, Any], tokens: int | None = None) -> dict[str, Any]:
@@ -107,7 +89,7 @@ def serve_pairs(url: str, reference_url: str, bodies: list[tuple[str, dict[str, 
     (plain requests compared on their first ``plain_tokens`` tokens only, where given)."""
     rows = {}
     for name, body in bodies:
-        rows[name] = compare(post(url, body), post(reference_url, body),
+        rows[name] = compare(client.chat(url, body), client.chat(reference_url, body),
                              plain_tokens if name.startswith("plain") else None)
         log(f"{name}: {rows[name]['error']:.3f} agree {rows[name]['agree']}/{rows[name]['n']}")
     return rows
@@ -141,37 +123,16 @@ def verdict(rows: dict[str, dict[str, Any]], floor: float = 0.0, same_cache: boo
     return {"plain_max_logprob_error": plain_error, "bound": bound, "failures": failures}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser(None, __doc__.split("\n\n")[0])
-    env = os.environ.get
-    parser.add_argument("--base-url", default=env("SGLANG_BASE_URL"), required=env("SGLANG_BASE_URL") is None,
-                        help="the patched server under test (default: $SGLANG_BASE_URL)")
-    parser.add_argument("--model", type=Path, default=env("AKV_TINY_MODEL"), required=env("AKV_TINY_MODEL") is None,
-                        help="the tiny model's folder, for the reference server (default: $AKV_TINY_MODEL)")
-    parser.add_argument("--out-dir", type=Path, default=Path(env("AKV_BENCH_OUT", ".")),
-                        help="folder for akv_served_check.json (default: $AKV_BENCH_OUT, else .)")
-    args = parser.parse_args(argv)
-    url, model, out_dir = args.base_url, Path(args.model), args.out_dir
-    if (out_dir / "akv_served_check.json").exists():
-        parser.error(f"{out_dir / 'akv_served_check.json'} exists; results are never replaced")
+@contextmanager
+def reference_server(model: Path, **engine: Any) -> Iterator[Any]:
+    """The exact reference server (``akv.system.reference_server``, FP32) on ``model`` serving from a
+    thread while the block runs; ``engine`` goes to its ``Engine`` (``kv_slots``, ``device``, ...)."""
     from akv.system.reference_server import Engine, ReferenceServer  # here: --help needs no torch
 
-    reference = ReferenceServer(Engine(model, name="default", kv_slots=16384))
-    reference.start_in_background()
-    started = time.time()
+    server = ReferenceServer(Engine(model, name="default", **engine))
+    server.start_in_background()
     try:
-        rows = serve_pairs(url, reference.url, requests(), lambda line: print(line, flush=True))
+        yield server
     finally:
-        reference.shutdown()
-        reference.server_close()
-    result = verdict(rows)
-    report = {"command": "tools/gpu/akv_served_check.py (run by tools/gpu/run.sh with AKV_BENCH_LIVE)",
-              **result, "requests": rows, "seconds": round(time.time() - started, 1)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "akv_served_check.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(result, indent=2))
-    return 1 if result["failures"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        server.shutdown()
+        server.server_close()

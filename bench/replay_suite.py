@@ -36,32 +36,28 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shlex
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
-from bench import serve_replay  # noqa: E402
 from akv import cli  # noqa: E402
-import server_process  # noqa: E402
-from server_process import Server  # noqa: E402
+from bench import serve_replay  # noqa: E402
 from bench.agent_replay.methods import FullContext  # noqa: E402
 from bench.agent_replay.serve import prepare, replay  # noqa: E402
 from bench.agent_replay.suite_report import GOALS, best, markdown, ratios, svg  # noqa: E402
+from bench.harness import results, servers  # noqa: E402
+from bench.harness.models import QWEN3_8B_SHAPE  # noqa: E402
+from bench.harness.servers import Server, free_port_pair  # noqa: E402
 
 GPU_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--page-size", "1", "--chunked-prefill-size", "8192",
              "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch", "--context-length", "131072"]
-CPU_FLAGS = ["--device", "cpu", "--dtype", "float32", "--page-size", "1", "--disable-cuda-graph", "--sampling-backend",
-             "pytorch", "--max-total-tokens", "16384", "--chunked-prefill-size", "256", "--skip-server-warmup",
-             "--mem-fraction-static", "0.5", "--enable-cache-report"]
+CPU_FLAGS = [*servers.cpu_flags(16384), "--page-size", "1"]
 MIN_RUN_S = 3.0
 
 
@@ -75,14 +71,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(env("AKV_REPLAY_OUT", env("OUT", "replay-out"))))
     p.add_argument("--logs", type=Path, default=Path(os.environ["AKV_BENCH_OUT"]) if os.environ.get("AKV_BENCH_OUT")
                    else None, help="server logs (default: $AKV_BENCH_OUT, else --out)")
-    p.add_argument("--model", type=Path, default=Path(env("AKV_REPLAY_MODEL", "/tmp/akv-model-8b-128k")),
-                   help="model folder, written if absent (Qwen3-8B shape, or the tiny model with --dry-run)")
-    p.add_argument("--stock-site", type=Path, default=Path(env("AKV_REPLAY_STOCK_SITE", "/tmp/site-stock")),
-                   help="stock SGLang site (unpacked from .devkit/site-py312.tar.xz if absent)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="model folder, written if absent (Qwen3-8B shape, or the tiny model with --dry-run; default: "
+                        "$AKV_REPLAY_MODEL, else akv-model-8b-128k, or tiny-qwen3, in --work)")
+    p.add_argument("--stock-site", type=Path, default=Path(env("AKV_REPLAY_STOCK_SITE", str(servers.stock_site_default()))),
+                   help="stock SGLang site (unpacked from .devkit/site-py312.tar.xz if absent; default: "
+                        "$AKV_REPLAY_STOCK_SITE, else $AKV_STOCK_SITE, which tools/gpu/run.sh sets)")
     p.add_argument("--patched-site", type=Path, default=None,
                    help="patched SGLang site (default: the current PYTHONPATH; --dry-run builds one)")
     p.add_argument("--work", type=Path, default=Path(env("AKV_REPLAY_WORK", ROOT / "build" / "akv-replay-suite")),
-                   help="--dry-run: where the CPU sites and the tiny model are built (kept between runs; "
+                   help="where the model (and with --dry-run the CPU sites) are made (kept between runs; "
                         "default: $AKV_REPLAY_WORK, else build/akv-replay-suite in the checkout)")
     p.add_argument("--concurrency", default=env("AKV_REPLAY_CONCURRENCY", "1,4,16"))
     p.add_argument("--count", type=int, default=int(env("AKV_REPLAY_COUNT", "8")),
@@ -138,16 +136,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=int(env("AKV_REPLAY_PORT", "0")) or None,
                    help="stock server's port, patched's the next (default: 30100 on the H200, free ports on CPU)")
     args = p.parse_args(argv)
-    if (args.out / "replay_suite.json").exists():
-        p.error(f"{args.out / 'replay_suite.json'} exists; results are never replaced: give a new --out")
+    results.refuse_existing(p, args.out / "replay_suite.json")
+    args.model = args.model or (Path(os.environ["AKV_REPLAY_MODEL"]) if os.environ.get("AKV_REPLAY_MODEL") else
+                                args.work / ("tiny-qwen3" if args.dry_run else "akv-model-8b-128k"))
     if args.dry_run:
         for flag, value in (("concurrency", "1,2"), ("count", 1), ("preset", "tiny"), ("start_turn", 0),
                             ("thresholds", "450,250"), ("keep", 2), ("max_output_tokens", 4), ("target_s", 240.0),
                             ("deadline_s", 400.0), ("max_turns", 4), ("backend", "triton")):
             if getattr(args, flag) == p.get_default(flag):
                 setattr(args, flag, value)
-        if args.model == p.get_default("model"):
-            args.model = args.work / "tiny-qwen3"
         if args.stock_site == p.get_default("stock_site"):
             args.stock_site = args.work / "stock-site"
     args.logs = args.logs or args.out
@@ -159,21 +156,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.mem_fraction = args.mem_fraction or ("0.8" if together else "0.85")
     args.pool_tokens = args.pool_tokens or (150_000 if together else None)
     return args
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free now (the CPU machine is shared)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports found")
 
 
 def log(message: str, started: float) -> None:
@@ -201,8 +183,6 @@ def make_model(args: argparse.Namespace) -> None:
     if args.dry_run:
         make_tiny_model(args.model, seed=3)
         return
-    from make_models import QWEN3_8B_SHAPE
-
     make_tiny_model(args.model, arch="qwen3", seed=0, dtype="bfloat16", weights=False,
                     **{**QWEN3_8B_SHAPE, "max_position_embeddings": 131_072})
 
@@ -211,15 +191,15 @@ def make_sites(args: argparse.Namespace) -> None:
     """The stock site (unpacked from the carried archive on the H200; with --dry-run installed from
     the pinned wheel) and with --dry-run the patched one, rebuilt when the patch changes."""
     if not args.dry_run:
-        server_process.unpack_stock_site(args.stock_site)
+        servers.unpack_stock_site(args.stock_site)
         return
-    server_process.cpu_stock_site(args.stock_site)
-    args.patched_site = server_process.cpu_patched_site(args.work, args.patched_site)
+    servers.cpu_stock_site(args.stock_site)
+    args.patched_site = servers.cpu_patched_site(args.work, args.patched_site)
 
 
-def servers(args: argparse.Namespace) -> list[Server]:
+def make_servers(args: argparse.Namespace) -> list[Server]:
     """The stock server (text methods) and the patched one (AKV)."""
-    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base = dict(os.environ)
     flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction,
                                             "--cuda-graph-max-bs", str(max(16, *args.levels))]
     if not args.dry_run and not args.prefill_graphs:
@@ -230,22 +210,20 @@ def servers(args: argparse.Namespace) -> list[Server]:
         flags = [*flags, "--max-running-requests", str(args.max_running)]
     if args.dry_run and importlib.util.find_spec("prometheus_client") is not None:
         flags = [*flags, "--enable-metrics"]  # SGLang's /metrics needs it; the H200 image has it
-    cpu_site = [str(ROOT / "tests" / "sglang_cpu" / "site")] if args.dry_run else []
-    # on CPU, modules the machine's environment adds (e.g. prometheus_client); never on the H200,
-    # where PYTHONPATH holds the patched site, whose entry points a stock server must not see
-    extra = [os.environ["PYTHONPATH"]] if args.dry_run and os.environ.get("PYTHONPATH") else []
-    if args.patched_site is not None:
-        patched_path = os.pathsep.join([*cpu_site, str(args.patched_site), str(ROOT), *extra])
-    else:
-        patched_path = os.pathsep.join([*cpu_site, os.environ.get("PYTHONPATH", ""), str(ROOT)])
-    stock_path = os.pathsep.join([*cpu_site, str(args.stock_site), *extra])
+    if args.dry_run:  # CPU: the shims first; the site; the machine's own PYTHONPATH last
+        patched_path = servers.cpu_pythonpath(args.patched_site)
+        stock_path = servers.cpu_pythonpath(args.stock_site, akv=False)
+    else:  # the H200: PYTHONPATH holds the patched site, whose entry points a stock server must not see
+        patched_path = os.pathsep.join([str(args.patched_site) if args.patched_site else os.environ.get("PYTHONPATH", ""),
+                                        str(ROOT)])
+        stock_path = str(args.stock_site)
     model = ["--model-path", str(args.model)]
     return [Server("stock", [sys.executable, "-m", "sglang.launch_server", *model, *flags, "--attention-backend",
-                             args.backend], {**base, "PYTHONPATH": stock_path}, args.port,
+                             args.backend], {**base, "PYTHONUNBUFFERED": "1", "PYTHONPATH": stock_path}, args.port,
                    args.logs / "server-stock.log"),
             Server("patched", [sys.executable, "-m", "akv.system.launch_server", *model, *flags, "--attention-backend",
-                               args.akv_backend], {**base, "PYTHONPATH": patched_path}, args.port + 1,
-                   args.logs / "server-patched.log")]
+                               args.akv_backend], {**base, "PYTHONUNBUFFERED": "1", "PYTHONPATH": patched_path},
+                   args.port + 1, args.logs / "server-patched.log")]
 
 
 # ------------------------------------------------------------------------------ replay ---
@@ -282,10 +260,9 @@ def warm_up(server: Server, trajectories: list, filler: Any, args: argparse.Name
 
 
 def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
     result["ratios"] = ratios(result["rows"])
     result["best"] = {m: best(result["rows"], m) for m in dict.fromkeys(r["method"] for r in result["rows"])}
-    (args.out / "replay_suite.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    results.write(result, args.out / "replay_suite.json")
     (args.out / "replay_suite.md").write_text(markdown(result), encoding="utf-8")
     if any(r.get("requests") for r in result["rows"]):
         (args.out / "replay_suite.svg").write_text(svg(result["rows"], levels), encoding="utf-8")
@@ -367,14 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the rows
     args = parse_args(argv)
-    command = "python tools/gpu/replay_suite.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     levels = args.levels
     log(f"settings {json.dumps(settings)}", started)
     make_model(args)
     make_sites(args)
     log(f"model {args.model}, stock site {args.stock_site}, patched site {args.patched_site or 'PYTHONPATH'}", started)
-    stock, patched = servers(args)
+    stock, patched = make_servers(args)
     # AKV first, Standard first among the text methods: a deadline cuts the last text methods' highest levels
     phases = [(patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url))),
               (stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url)))]
@@ -391,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
              f"{args.max_output_tokens or 'none'}")
     result: dict[str, Any] = {
-        "command": command, "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
-        "settings": settings, "label": label, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **results.header("bench/replay_suite.py", argv),
+        "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
+        "settings": settings, "label": label,
         "goals": GOALS, "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}
     suite = Suite(args, trajectories, filler, levels, result, started)
     n_runs = [len(methods) * len(levels) for _, methods in phases]

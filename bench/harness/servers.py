@@ -1,6 +1,7 @@
-"""An SGLang server as a child process of its own process group, for the GPU scripts and their CPU
-dry runs: started, waited on through ``/health``, stopped with everything it spawned; and the
-SGLang sites they run on (stock from the carried archive, CPU sites from the pinned wheel)."""
+"""An SGLang server as a child process of its own process group, for the benchmarks, the device
+checks and their CPU dry runs: started, waited on through ``/health``, stopped with everything it
+spawned; the SGLang sites they run on (stock from the carried archive on the GPU node, CPU sites from
+the pinned wheel); and the flags and environment every CPU server shares."""
 
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ import signal
 import socket
 import subprocess
 import time
+import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from bench.harness import client
 
 ROOT = Path(__file__).resolve().parents[2]
+CPU_SHIMS = ROOT / "tests" / "sglang_cpu" / "site"
+"""The CPU shims every SGLang server on the CPU imports first (tests/sglang_cpu)."""
+CPU_BASE = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
+            "--mem-fraction-static", "0.5", "--enable-cache-report"]
+"""Every CPU server: FP32 (the reference server's arithmetic), no CUDA graphs, PyTorch sampling."""
 
 
 def free_port() -> int:
@@ -25,16 +35,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-RUN_SITE = Path("/tmp/site")
-"""The patched site tools/gpu/run.sh installs on the H200."""
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free now (the CPU machine is shared)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports found")
 
 
-def unpack_stock_site(target: Path, shared: Path = RUN_SITE) -> Path:
-    """Stock SGLang 0.5.16 in ``target`` (on the H200; done once): the carried archive's ``sglang``
-    without the AKV overlay, and every other package a link to ``shared``'s. FlashInfer builds its
-    kernels under paths resolved through the links, so both servers load the same carried or
-    compiled modules instead of each rebuilding the other's."""
+def cpu_flags(pool_tokens: int, *, chunk: int = 256, warmup: bool = False) -> list[str]:
+    """A CPU server's flags: :data:`CPU_BASE`, a pool of ``pool_tokens``, prefill chunks of ``chunk``
+    tokens, and SGLang's warm-up request only where asked (it costs a prefill on the CPU)."""
+    return [*CPU_BASE, "--max-total-tokens", str(pool_tokens), "--chunked-prefill-size", str(chunk),
+            *([] if warmup else ["--skip-server-warmup"])]
+
+
+def cpu_pythonpath(site: Path, akv: bool = True) -> str:
+    """PYTHONPATH of a CPU server on ``site``: the CPU shims, the site, this checkout (for ``akv``;
+    left out for stock SGLang with ``akv=False``), then the caller's PYTHONPATH (modules this machine
+    adds, such as prometheus_client)."""
+    extra = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return os.pathsep.join([str(CPU_SHIMS), str(site), *([str(ROOT)] if akv else []), *extra])
+
+
+def device_site() -> Path:
+    """The patched site tools/gpu/run.sh installs on the GPU node (``$AKV_SITE``, in its work folder)."""
+    site = os.environ.get("AKV_SITE")
+    if not site:
+        raise RuntimeError("AKV_SITE is not set: run this through tools/gpu/run.sh (or give the stock site's folder)")
+    return Path(site)
+
+
+def stock_site_default() -> Path:
+    """Where the stock site is unpacked on the GPU node: ``$AKV_STOCK_SITE`` (tools/gpu/run.sh sets it in
+    its work folder), else ``build/stock-site`` in the checkout."""
+    return Path(os.environ.get("AKV_STOCK_SITE") or ROOT / "build" / "stock-site")
+
+
+def unpack_stock_site(target: Path, shared: Path | None = None) -> Path:
+    """Stock SGLang 0.5.16 in ``target`` (on the GPU node; done once): the carried archive's ``sglang``
+    without the AKV overlay, and every other package a link to ``shared``'s (default: the patched
+    site, :func:`device_site`). FlashInfer builds its kernels under paths resolved through the links,
+    so both servers load the same carried or compiled modules instead of each rebuilding the other's."""
     if not (target / "sglang").is_dir():
+        shared = shared or device_site()
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run(f"xz -T0 -dc {shlex.quote(str(ROOT / '.devkit' / 'site-py312.tar.xz'))} | "
                        f"tar -x -C {shlex.quote(str(target))} --wildcards './sglang/*' './sglang-*.dist-info/*'",
@@ -101,11 +152,16 @@ class Server:
         """The command line as recorded (interpreter as `python`, PYTHONPATH shown)."""
         return f"PYTHONPATH={self.env.get('PYTHONPATH', '')} " + shlex.join(["python", *self.argv[1:]])
 
-    def start(self) -> None:
+    def chat(self, body: dict[str, Any], max_tokens: int = 8, top_logprobs: int = 2) -> dict[str, Any]:
+        """:func:`client.chat` on this server."""
+        return client.chat(self.url, body, max_tokens, top_logprobs)
+
+    def start(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(self.argv + ["--host", "127.0.0.1", "--port", str(self.port)], env=self.env,
                                         stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        return self
 
     def wait(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -166,3 +222,11 @@ class Server:
             if not alive or time.time() > deadline:
                 return alive
             time.sleep(0.5)
+
+
+def launch(name: str, module: str, model: Path, flags: list[str], env: dict[str, str], port: int,
+           log: Path) -> Server:
+    """``python -m module --model-path model *flags`` (``akv.system.launch_server`` or
+    ``sglang.launch_server``) started now as :class:`Server` ``name``, its output in ``log``."""
+    argv = [sys.executable, "-m", module, "--model-path", str(model), *flags]
+    return Server(name, argv, {"PYTHONUNBUFFERED": "1", **env}, port, log).start()

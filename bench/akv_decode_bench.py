@@ -18,7 +18,7 @@ median of the rounds' patched / stock output tokens/s (``AKV_DECODE_LIVE=""``: t
 attention floor at H200 bandwidth is about 30.7 us per 1K live tokens per request per step.
 
 H200 (one device call, carry [".devkit"]):
-    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_decode_bench.py" DEADLINE_S=530 \\
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/akv_decode_bench.py" DEADLINE_S=530 \\
         bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 Writes ``$AKV_BENCH_OUT/akv_decode_bench.json`` (and a copy in ``$OUT`` where that is set) after every
 measurement.
@@ -38,9 +38,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from akv import cli
-from akv_8b_check import TOOLS, Conversation, Server, parser_8b
-from server_process import unpack_stock_site
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from akv import cli  # noqa: E402
+from bench.akv_8b_check import parser_8b  # noqa: E402
+from bench.harness import client, results, servers  # noqa: E402
+from bench.harness.client import TOOLS  # noqa: E402
+from bench.harness.conversations import Conversation  # noqa: E402
+from bench.harness.servers import Server  # noqa: E402
 
 FLOOR_US_PER_1K = 30.7
 GOAL_RATIO = 1.10
@@ -56,10 +61,6 @@ POOLS = {"patched": ["--max-total-tokens", "330000", "--mem-fraction-static", "0
 start together, and each fraction leaves its pool room whichever of them profiles the GPU first."""
 
 _DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*(?:cuda|cpu) graph: (\w+), gen throughput \(token/s\): ([\d.]+)")
-
-
-def post(url: str, path: str, body: dict[str, Any], timeout: float = 60) -> Any:
-    return cli.request_json(f"{url}{path}", body, timeout)
 
 
 def stream(url: str, body: dict[str, Any], tokens: int, stop: threading.Event | None = None,
@@ -93,16 +94,6 @@ def decode_lines(log: Path, offset: int, batch: int) -> list[tuple[float, bool]]
             if int(m[1]) == batch and float(m[3]) > 0]
 
 
-def wait_idle(url: str, timeout: float = 60) -> None:
-    """Until the server holds no running or waiting request."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if sum(r["num_reqs"] for r in cli.request_json(f"{url}/get_load", timeout=10)) == 0:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} still busy after {timeout:.0f} s")
-
-
 def measure(server: Server, body: dict[str, Any], batch: int, max_tokens: int, lines: int,
             timeout: float) -> dict[str, Any]:
     """B identical streams until ``lines`` + 1 decode lines at exactly B are logged, then abort."""
@@ -116,12 +107,12 @@ def measure(server: Server, body: dict[str, Any], batch: int, max_tokens: int, l
             break
         time.sleep(0.1)
     stop.set()
-    post(server.url, "/abort_request", {"abort_all": True})
+    cli.request_json(f"{server.url}/abort_request", {"abort_all": True}, timeout=60)
     try:
         chunks = [f.result(timeout=60) for f in futures]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    wait_idle(server.url)
+    client.wait_idle(server.url)
     seen = decode_lines(server.log_path, offset, batch)[1:]
     return {"step_ms": statistics.median(ms for ms, _ in seen) if seen else None, "lines": len(seen),
             "cuda_graph": all(graph for _, graph in seen) if seen else None, "chunks": chunks,
@@ -183,7 +174,7 @@ def burst_rounds(urls: dict[str, str], tokenizer: Any, rounds: int) -> dict[str,
     return {"runs": runs, "round_ratios": ratios, "ratio": statistics.median(ratios)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = parser_8b(__doc__, "akv_decode_bench.json")
     parser.add_argument("--live", default=os.environ.get("AKV_DECODE_LIVE", "32768 131072"),
                         help="live lengths (default: $AKV_DECODE_LIVE, else '32768 131072')")
@@ -193,18 +184,17 @@ def main() -> int:
                         help="decode log lines (20 steps each) at exactly B per measurement")
     parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "6")),
                         help="plain-burst rounds after the first live length (with --live '': the only measurement)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
     from transformers import AutoTokenizer  # here: --help needs no transformers
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     batches = [int(b) for b in args.batches.split()]
     lives = [int(x) for x in args.live.split()]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    launchers = {"patched": ([sys.executable, "-m", "akv.system.launch_server"], env),
-                 "stock": ([sys.executable, "-m", "sglang.launch_server"], {**env, "PYTHONPATH": str(args.stock_site)})}
-    servers: dict[str, Server] = {}
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "server_args": COMMON, "pools": POOLS,
+    launchers = {"patched": ("akv.system.launch_server", dict(os.environ)),
+                 "stock": ("sglang.launch_server", {**os.environ, "PYTHONPATH": str(args.stock_site)})}
+    running: dict[str, Server] = {}
+    report: dict[str, Any] = {**results.header("bench/akv_decode_bench.py", argv), "server_args": COMMON, "pools": POOLS,
                               "goal_ratio": GOAL_RATIO, "burst_goal": BURST_GOAL,
                               "floor_us_per_1k_live_tokens": FLOOR_US_PER_1K,
                               "startup_s": {}, "warm_s": {}, "runs": {}}
@@ -213,33 +203,32 @@ def main() -> int:
 
     def save() -> None:
         report["total_s"] = round(time.time() - started, 1)
-        for path in (args.out, *([Path(os.environ["OUT"]) / args.out.name] if os.environ.get("OUT") else [])):
-            path.write_text(json.dumps(report, indent=2))
+        results.write(report, args.out, indent=2, copy_to_out=True)
 
     def start(side: str, port: int) -> Server:
-        launcher, side_env = launchers[side]
-        return Server(side, [*launcher, "--model-path", str(args.model), *COMMON, *POOLS[side]], side_env, port,
-                      args.out.parent / f"server-decode-{side}.log")
+        module, side_env = launchers[side]
+        return servers.launch(side, module, args.model, [*COMMON, *POOLS[side]], side_env, port,
+                              args.out.parent / f"server-decode-{side}.log")
 
     def warm(side: str) -> None:
-        stream(servers[side].url, burst_bodies(tokenizer, 1, 800)[0], 4)  # a server's first plain chat costs ~10 s once
+        stream(running[side].url, burst_bodies(tokenizer, 1, 800)[0], 4)  # a server's first plain chat costs ~10 s once
         for live, (akv_body, stock_body, _, _) in cases.items():
             t0 = time.perf_counter()
-            stream(servers[side].url, akv_body if side == "patched" else stock_body, 4)
+            stream(running[side].url, akv_body if side == "patched" else stock_body, 4)
             report["warm_s"][f"{side}/{live}"] = round(time.perf_counter() - t0, 1)
             print(f"{side}: warm {live} in {report['warm_s'][f'{side}/{live}']} s", flush=True)
 
     try:
-        servers["patched"] = start("patched", 30020)
-        unpack_stock_site(args.stock_site)
-        servers["stock"] = start("stock", 30021)
+        running["patched"] = start("patched", 30020)
+        servers.unpack_stock_site(args.stock_site)
+        running["stock"] = start("stock", 30021)
         cases.update({live: case(tokenizer, live, 500 + i) for i, live in enumerate(lives)})
         report["cases"] = {str(live): {"live_prompt_tokens": c[2], "all_prompt_tokens": c[3]} for live, c in cases.items()}
-        for side in servers:
-            servers[side].wait(480)
+        for side in running:
+            running[side].wait(480)
             report["startup_s"][side] = round(time.time() - started, 1)
         with ThreadPoolExecutor(2) as pool:  # untimed prefills, both servers at once
-            list(pool.map(warm, servers))
+            list(pool.map(warm, running))
         save()
 
         def decode(live: int) -> None:
@@ -248,7 +237,7 @@ def main() -> int:
                 for side, body in (("patched", akv_body), ("stock", stock_body)):
                     key = f"{live}/{batch}/{side}"
                     try:
-                        report["runs"][key] = measure(servers[side], body, batch, CONTEXT - n_all - 256, args.lines,
+                        report["runs"][key] = measure(running[side], body, batch, CONTEXT - n_all - 256, args.lines,
                                                       timeout=120)
                     except Exception as exc:  # noqa: BLE001 - keep the other measurements
                         report["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -257,12 +246,12 @@ def main() -> int:
 
         if lives:
             decode(lives[0])
-        report["plain_burst"] = burst_rounds({side: servers[side].url for side in servers}, tokenizer, args.bursts)
+        report["plain_burst"] = burst_rounds({side: running[side].url for side in running}, tokenizer, args.bursts)
         save()
         for live in lives[1:]:
             decode(live)
     finally:
-        for server in servers.values():
+        for server in running.values():
             server.stop()
         ratios = {}
         for live, (_, _, n_live, _) in cases.items():

@@ -4,7 +4,7 @@ order of priority, each part written to ``$AKV_BENCH_OUT/akv_models_check.json``
 1. ``gpt_oss_tiny``: gpt-oss-tiny (bf16 weights, sliding window 128 on even layers, sinks, YaRN,
    MoE) on the patched server (bf16, triton, ``--reasoning-parser gpt-oss --tool-call-parser
    gpt-oss``, no CUDA graphs) against the exact reference server (FP32, same weights file), with
-   akv_served_check.py's requests and bounds: context requests' log-prob error within 1.5x the
+   bench.harness.oracle's requests and bounds: context requests' log-prob error within 1.5x the
    plain requests', tokens equal wherever the reference's top-2 margin exceeds it, usage equal.
    Plain requests are compared on their first token only: stock SGLang's triton decode reads one
    sliding-window key fewer than the contract (sgl-project/sglang#32087), AKV's context requests not.
@@ -33,12 +33,12 @@ then this script 311 s: the 20b pair ready at +135 s, parts 1-3 done at +167 s, 
 ready 100 s after its launch, part 4 done at +298 s. Knobs AKV_MODELS_PARTS=gpt_oss_tiny,... and
 AKV_MODELS_BIG_GRAPHS=0::
 
-    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="tools/gpu/akv_models_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/akv_models_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 
 CPU dry run (parts 1-2 with the CPU servers of tests/sglang_cpu, FP32; 13.5 minutes on the 2-core
 machine, the build included; gpt-oss's server is ready after 266 s there, over 420 s under CI's load)::
 
-    python tools/gpu/akv_models_check.py --dry-run [--work DIR] [--out DIR]
+    python bench/akv_models_check.py --dry-run [--work DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -54,23 +54,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools" / "gpu")]
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-import akv_8b_check as big  # noqa: E402
 from akv import cli  # noqa: E402
-import akv_served_check as served  # noqa: E402
-import router_ties  # noqa: E402
-import server_process  # noqa: E402
+from bench import akv_8b_check as big  # noqa: E402
+from bench import router_ties  # noqa: E402
+from bench.harness import client, oracle, results, servers  # noqa: E402
+from bench.harness.models import as_float32  # noqa: E402
 
 PARSERS = {"gpt-oss": ["--reasoning-parser", "gpt-oss", "--tool-call-parser", "gpt-oss"],
            "minimax": ["--reasoning-parser", "minimax-append-think", "--tool-call-parser", "minimax-m2"]}
 GPU_TINY = ["--dtype", "bfloat16", "--attention-backend", "triton", "--disable-cuda-graph", "--sampling-backend",
             "pytorch", "--max-total-tokens", "32768", "--mem-fraction-static", "0.9", "--enable-cache-report"]
-# CPU: a few running requests, since each req_to_token row holds AKV_MAX_TEXT_TOKENS (4x the context)
-CPU_TINY = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
-            "--max-total-tokens", "8192", "--chunked-prefill-size", "256", "--skip-server-warmup",
-            "--mem-fraction-static", "0.5", "--enable-cache-report", "--max-running-requests", "16"]
+CPU_TINY = [*servers.cpu_flags(8192), "--max-running-requests", "16"]
+"""A few running requests, since each req_to_token row holds AKV_MAX_TEXT_TOKENS (4x the context)."""
 BIG = ["--load-format", "dummy", "--dtype", "bfloat16", "--attention-backend", "triton", "--page-size", "1",
        "--sampling-backend", "pytorch", "--enable-cache-report", "--context-length", "32768",
        "--disable-hybrid-swa-memory"]
@@ -87,11 +85,12 @@ PLAIN_TOKENS = {"gpt_oss_tiny": 1}
 """Plain gpt-oss requests keep stock SGLang's window: its extend reads the contract's window, its
 triton decode one key fewer (sgl-project/sglang#32087, akv.system.adapter.window_lists), so plain
 requests are compared with the reference on their first token (prefill) only, and the bound they set
-applies to the context requests' first tokens; the context requests' greedy tokens are compared on all."""
+applies to the context requests' first tokens; the context requests' greedy tokens are compared on all.
+Plain requests ask for only the tokens compared (on both servers: no decode step that nothing reads)."""
 TIE_GAP = 0.006
 """MiniMax-M2 routes each token to the top-k experts of ``sigmoid(gate x) + bias``; where the exact
 reference's k-th and (k+1)-th scores are closer than this at some layer, bf16 arithmetic may pick the
-other expert (it moved this model's gaps by up to ~0.0057 against FP32: tools/gpu/router_ties.py), and
+other expert (it moved this model's gaps by up to ~0.0057 against FP32: bench/router_ties.py), and
 that token's log-probs move far beyond bf16 noise in plain and context requests alike. Tokens from
 the first such one on are not compared; a first token at such a tie must match the reference with
 either expert (the one it chose, or the next one swapped in)."""
@@ -117,8 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated parts to run (default all); the others are skipped")
     p.add_argument("--big-graphs", type=int, choices=(0, 1), default=int(os.environ.get("AKV_MODELS_BIG_GRAPHS", "1")))
     args = p.parse_args(argv)
-    if (args.out / "akv_models_check.json").exists():
-        p.error(f"{args.out / 'akv_models_check.json'} exists; results are never replaced: give a new --out")
+    args.argv = sys.argv[1:] if argv is None else argv
+    results.refuse_existing(p, args.out / "akv_models_check.json")
     args.parts = args.parts.split(",")
     unknown = set(args.parts) - set(ESTIMATE_S)
     if unknown:
@@ -133,10 +132,10 @@ class Run:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.started = args, time.time()
-        self.report: dict[str, Any] = {"command": "python tools/gpu/akv_models_check.py " + " ".join(sys.argv[1:]),
+        self.report: dict[str, Any] = {**results.header("bench/akv_models_check.py", args.argv),
                                        "dry_run": args.dry_run, "deadline_s": args.deadline_s, "parts": {},
                                        "servers": {}}
-        self.servers: dict[str, big.Server] = {}
+        self.servers: dict[str, servers.Server] = {}
         self.launched: dict[str, float] = {}
 
     def left(self) -> float:
@@ -148,17 +147,15 @@ class Run:
 
     def write(self) -> None:
         self.report["elapsed_s"] = round(time.time() - self.started, 1)
-        self.args.out.mkdir(parents=True, exist_ok=True)
-        (self.args.out / "akv_models_check.json").write_text(json.dumps(self.report, indent=1) + "\n")
+        results.write(self.report, self.args.out / "akv_models_check.json")
 
     def launch(self, name: str, module: str, model: Path, flags: list[str], env: dict[str, str], port: int) -> None:
-        argv = [sys.executable, "-m", module, "--model-path", str(model), *flags]
         self.launched[name] = time.time()
-        self.servers[name] = big.Server(name, argv, env, port, self.args.out / f"server-{name}.log")
+        self.servers[name] = servers.launch(name, module, model, flags, env, port, self.args.out / f"server-{name}.log")
         self.report["servers"][name] = {"command": self.servers[name].command}
         self.log(f"{name}: starting")
 
-    def ready(self, name: str) -> big.Server:
+    def ready(self, name: str) -> servers.Server:
         server = self.servers[name]
         server.wait(max(10.0, min(self.args.ready_timeout, self.left())))
         if "startup_s" not in self.report["servers"][name]:
@@ -212,60 +209,43 @@ def make_models(folder: Path, names: tuple[str, ...], dry_run: bool) -> dict[str
     models = {name: makers[name]() for name in names}
     if dry_run:
         for path in models.values():
-            _as_float32(path)
+            as_float32(path)
     return models
-
-
-def _as_float32(folder: Path) -> None:
-    """The same (bf16) weights stored as float32, for SGLang's FP32 CPU path (gpt-oss keeps the
-    file's dtype in some layers)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    save_file({k: v.to(torch.float32) for k, v in load_file(path).items()}, str(path), metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2) + "\n")
 
 
 def check_tiny(run: Run, name: str, model: Path) -> dict[str, Any]:
     """Part 1 or 2: the patched server against the reference server on the same weights."""
-    from akv.system.reference_server import Engine, ReferenceServer
-
     server = run.ready(name)
-    engine = Engine(model, name="default", kv_slots=16384)
-    probe = router_ties.RouterProbe(engine.model) if name == "minimax_tiny" else None
-    reference = ReferenceServer(engine)
-    reference.start_in_background()
     rows, swaps = {}, {}
     try:
-        for request, body in served.requests(served.WINDOW_WORDS):
-            got = served.post(server.url, body)
-            if probe is not None:
-                probe.calls = []
-            want = served.post(reference.url, body)
-            tokens = PLAIN_TOKENS.get(name) if request.startswith("plain") else None
-            gaps = [] if probe is None else router_ties.token_gaps(
-                probe.calls, len(want["choices"][0]["logprobs"]["content"]), engine.model.config.num_layers)
-            tie = next((i for i, layers in enumerate(gaps) if min(layers) < TIE_GAP), None)
-            if tie is not None and (tokens is None or tie < tokens):
-                tokens = tie
-            rows[request] = row = served.compare(got, want, 1 if tokens == 0 else tokens)
-            if tie is not None:
-                row["router_tie"] = {"token": tie, "gap": min(gaps[tie])}
-            if tie == 0:  # nothing to score by log-prob: checked against the swapped expert below
-                row.update(unswapped_first_token_error=row["first_token_error"], error=0.0, first_token_error=None,
-                           agree=0, n=0, margin_at_split=None, split_tokens=None)
-                swaps[request] = (body, got, [layer for layer, gap in enumerate(gaps[0]) if gap < TIE_GAP])
-            run.log(f"{request}: {row['error']:.3f} agree {row['agree']}/{row['n']}"
-                    + (f" (router tie at token {tie}: gap {min(gaps[tie]):.5f})" if tie is not None else ""))
-        for request, (body, got, layers) in swaps.items():  # after the sequence: a swap flushes the cache
-            rows[request]["router_tie"]["swapped"] = swapped_first_token(engine, probe, body, got, layers)
+        with oracle.reference_server(model, kv_slots=16384) as reference:
+            engine = reference.engine
+            probe = router_ties.RouterProbe(engine.model) if name == "minimax_tiny" else None
+            for request, body in oracle.requests(oracle.WINDOW_WORDS):
+                tokens = PLAIN_TOKENS.get(name) if request.startswith("plain") else None
+                got = client.chat(server.url, body, tokens or 8)
+                if probe is not None:
+                    probe.calls = []
+                want = client.chat(reference.url, body, tokens or 8)
+                gaps = [] if probe is None else router_ties.token_gaps(
+                    probe.calls, len(want["choices"][0]["logprobs"]["content"]), engine.model.config.num_layers)
+                tie = next((i for i, layers in enumerate(gaps) if min(layers) < TIE_GAP), None)
+                if tie is not None and (tokens is None or tie < tokens):
+                    tokens = tie
+                rows[request] = row = oracle.compare(got, want, 1 if tokens == 0 else tokens)
+                if tie is not None:
+                    row["router_tie"] = {"token": tie, "gap": min(gaps[tie])}
+                if tie == 0:  # nothing to score by log-prob: checked against the swapped expert below
+                    row.update(unswapped_first_token_error=row["first_token_error"], error=0.0, first_token_error=None,
+                               agree=0, n=0, margin_at_split=None, split_tokens=None)
+                    swaps[request] = (body, got, [layer for layer, gap in enumerate(gaps[0]) if gap < TIE_GAP])
+                run.log(f"{request}: {row['error']:.3f} agree {row['agree']}/{row['n']}"
+                        + (f" (router tie at token {tie}: gap {min(gaps[tie]):.5f})" if tie is not None else ""))
+            for request, (body, got, layers) in swaps.items():  # after the sequence: a swap flushes the cache
+                rows[request]["router_tie"]["swapped"] = swapped_first_token(engine, probe, body, got, layers)
     finally:
-        reference.shutdown()
-        reference.server_close()
         run.stop(name)
-    result = served.verdict(rows, CPU_BOUND_FLOOR if run.args.dry_run else 0.0,
+    result = oracle.verdict(rows, CPU_BOUND_FLOOR if run.args.dry_run else 0.0,
                             first_token_bound=PLAIN_TOKENS.get(name) == 1)
     for request, row in rows.items():
         swapped = row.get("router_tie", {}).get("swapped")
@@ -325,19 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = Run(args)
     base = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    stock_site = args.work / "stock-site" if args.dry_run else Path("/tmp/site-stock")
+    stock_site = args.work / "stock-site" if args.dry_run else servers.stock_site_default()
     unpack = None
     try:
         if args.dry_run:
-            site = [str(ROOT / "tests" / "sglang_cpu" / "site"), str(server_process.cpu_patched_site(args.work)),
-                    str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
-            patched_env, tiny_flags = {**base, "PYTHONPATH": os.pathsep.join(site)}, CPU_TINY
+            site = servers.cpu_pythonpath(servers.cpu_patched_site(args.work))
+            patched_env, tiny_flags = {**base, "PYTHONPATH": site}, CPU_TINY
         else:
-            unpack = threading.Thread(target=server_process.unpack_stock_site, args=(stock_site,))
+            unpack = threading.Thread(target=servers.unpack_stock_site, args=(stock_site,))
             unpack.start()
             patched_env, tiny_flags = {**base, "PYTHONPATH": os.environ["PYTHONPATH"]}, GPU_TINY
         models = make_models(args.work / "models", ("gpt_oss_tiny", "minimax_tiny"), args.dry_run)
-        port = (lambda k: server_process.free_port()) if args.dry_run else (lambda k: 30020 + k)
+        port = (lambda k: servers.free_port()) if args.dry_run else (lambda k: 30020 + k)
         patched = "akv.system.launch_server"
         for k, (name, parsers) in enumerate((("gpt_oss_tiny", "gpt-oss"), ("minimax_tiny", "minimax"))):
             if name in args.parts:

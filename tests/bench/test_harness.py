@@ -1,0 +1,61 @@
+"""bench/harness, the measuring scripts' shared pieces: every result starts with the exact command,
+the commit, the date and the machine; results already committed still load; no device script
+writes to a fixed path under /tmp (a work folder comes from mktemp or the checkout)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.harness import results
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_header_names_the_command_commit_date_and_machine() -> None:
+    head = results.header("bench/x.py", ["--out", "a b.json"])
+    assert shlex.split(head["command"]) == ["python", "bench/x.py", "--out", "a b.json"]
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if git.returncode == 0:
+        assert head["commit"].split("+")[0] == git.stdout.strip()
+    when = datetime.datetime.strptime(head["date"], "%Y-%m-%dT%H:%M:%SZ")
+    assert abs((datetime.datetime.utcnow() - when).total_seconds()) < 120
+    assert head["machine"]["cpus"] == os.cpu_count() and len(head["machine"]["load_average"]) == 3
+
+
+def test_a_result_is_written_and_copied_to_out_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    results.write({"a": 1}, tmp_path / "r" / "kept.json")
+    results.write({"b": 2}, tmp_path / "r" / "copied.json", copy_to_out=True)
+    assert json.loads((tmp_path / "r" / "kept.json").read_text()) == {"a": 1}
+    assert [p.name for p in out.iterdir()] == ["copied.json"]
+    assert json.loads((out / "copied.json").read_text()) == {"b": 2}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench" / "results").glob("*.json")), ids=lambda p: p.name)
+def test_committed_results_still_load(path: Path) -> None:
+    result = json.loads(path.read_text(encoding="utf-8"))
+    assert isinstance(result, (dict, list))
+
+
+DEVICE_SCRIPTS = sorted([*(ROOT / "tools" / "gpu").iterdir(), *(ROOT / "bench").glob("*.py"),
+                         *(ROOT / "bench" / "harness").glob("*.py")])
+
+
+def test_no_device_script_names_a_fixed_path_under_tmp() -> None:
+    fixed = {}
+    for path in DEVICE_SCRIPTS:
+        text = path.read_text(encoding="utf-8").replace('mktemp -d "${TMPDIR:-/tmp}/', "mktemp -d ")
+        found = re.findall(r"/tmp/[\w.-]+", text)
+        if found:
+            fixed[str(path.relative_to(ROOT))] = found
+    assert fixed == {}
+    assert (ROOT / "tools" / "gpu" / "run.sh") in DEVICE_SCRIPTS
