@@ -1,10 +1,14 @@
-"""Scheduler hooks: the program reaches ``Req``, rounds stop at segment ends, a context request
-continues its rounds in or beside SGLang's chunked-request slot, admission reserves copy slots and the
-rounds left of requests between rounds."""
+"""Scheduler hooks: the program reaches ``Req``; a context request's prefill round runs every segment
+of a contiguous run of them in one forward (SGLang's chunk budget still cuts it), and stops only where
+the next segment starts after a gap of reused columns or, on a sliding-window model, at a segment's
+end; a request with more rounds continues in or beside SGLang's chunked-request slot; admission
+reserves copy slots and the rounds left of requests between rounds."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
@@ -52,8 +56,9 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
 
 
 def cap_extend(req: Any) -> bool:
-    """Stop a context request's round at its segment's end (or earlier, where a sliding-window
-    layer's extend would stop being exact); True when columns remain after it."""
+    """Stop a context request's round where its run of contiguous segments ends (on a sliding-window
+    model: at its segment's end, or earlier where the window's extend would stop being exact); True
+    when columns remain after it."""
     state: AkvRequest | None = req.akv
     if state is None:
         return False
@@ -63,8 +68,15 @@ def cap_extend(req: Any) -> bool:
 
 
 def _round_end(state: AkvRequest, lo: int, hi: int) -> int:
-    segment = state.current(lo) if state.active is not None else state.plan_draft_segments()[0]
-    return state.round_end(segment, lo, hi)
+    segments = state.plan_segments if state.active is not None else state.plan_draft_segments()
+    i = int(np.searchsorted(np.fromiter((s.end for s in segments), np.int64, len(segments)), lo, side="right"))
+    if state.window is not None:
+        return state.round_end(segments[i], lo, hi)
+    end = segments[i].end
+    while end < hi and i + 1 < len(segments) and segments[i + 1].start == end:
+        i += 1
+        end = segments[i].end
+    return min(hi, end)
 
 
 def must_wait(adder: Any, req: Any, has_chunked_req: bool) -> bool:
@@ -83,7 +95,7 @@ def must_wait(adder: Any, req: Any, has_chunked_req: bool) -> bool:
     if budget is None:
         return True
     lo, hi = len(req.prefix_indices), len(req.full_untruncated_fill_ids)
-    end = hi if state is None or not state.needs_rounds() else _round_end(state, lo, hi)
+    end = hi if state is None or state.draft is None else _round_end(state, lo, hi)
     return end - lo > budget
 
 
@@ -121,8 +133,9 @@ def reserve_rounds_left(adder: Any, reqs: list[Any]) -> None:
     """Take from the adder's total budget what the context requests among ``reqs``, continuing their
     prefill after this batch, still need: the columns after their latest round and their new tokens.
     SGLang charges a chunked request one chunk per batch, safe while its chunks fill the chunk budget;
-    a context request's rounds end at segment ends, so others join the batch between them and, without
-    this, take the KV its later rounds need (``alloc_for_extend`` then runs out of memory)."""
+    a context request's rounds also end before gaps of reused columns, so others join the batch
+    between them and, without this, take the KV its later rounds need (``alloc_for_extend`` then runs
+    out of memory)."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
     for req in reqs:
