@@ -160,7 +160,7 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
         for a, b, segment in _pieces(state, lo, hi):
             if cache.positions is not None and a == segment.start:
                 cache.positions.write_segment(req.req_pool_idx, segment)
-            positions.append(segment.positions[a - segment.start : b - segment.start])
+            positions.append(state.round_positions(a, b))
             # the segment's visible columns in column order (``prefix_tokens`` ascend), then its earlier queries
             prefix = np.concatenate([state.resolve(segment.prefix_slots), state.active.births[segment.start : a]])
             entries.context(prefix, state.active.births[a:b])
