@@ -222,3 +222,24 @@ def test_a_draft_that_would_hold_more_than_the_room_left_is_planned_cold() -> No
     assert state.plan_draft(core, room=cold).plan.plan.usage.cached_tokens == 0  # nothing reused
     roomy = AkvRequest(last)
     assert holds(roomy.plan_draft(core, room=holds(warm))) == holds(warm)
+
+
+def test_a_round_stops_before_a_segment_whose_copies_reuse_a_slot_the_round_reads() -> None:
+    """The plan recycles a copy slot once its last reader ran; in one forward every copy runs before
+    attention, so the segment that writes such a slot again starts the next round."""
+    conv = Conversation(70).add(12, 12)
+    for t in range(4):
+        conv.add(12, 12).drop(2 * t)
+        if t % 2 == 1:
+            conv.reposition()
+    prog = conv.request("recycling").program
+    req, recv = request(prog)
+    attach(req, recv, SERVER, pool_size=1000)
+    req.akv.plan_draft(CacheCore(SlotPool(1000)))
+    segments = req.akv.plan_draft_segments()
+    assert all(a.end == b.start for a, b in zip(segments, segments[1:])), "contiguous (cold)"
+    last = segments[-1]
+    read_before = np.concatenate([s.prefix_slots for s in segments[:-1]])
+    assert np.isin(last.copies.dst, read_before).any(), "the case in point: the last segment recycles a copy slot"
+    _fill(req, prog, 0)
+    assert cap_extend(req) and req.extend_range.end == last.start

@@ -56,9 +56,9 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int) -> str | N
 
 
 def cap_extend(req: Any) -> bool:
-    """Stop a context request's round where its run of contiguous segments ends (on a sliding-window
-    model: at its segment's end, or earlier where the window's extend would stop being exact); True
-    when columns remain after it."""
+    """Stop a context request's round where its run of contiguous segments ends, or before a segment
+    whose copies reuse a slot that the run reads (on a sliding-window model: at its segment's end, or
+    earlier where the window's extend would stop being exact); True when columns remain after it."""
     state: AkvRequest | None = req.akv
     if state is None:
         return False
@@ -72,11 +72,18 @@ def _round_end(state: AkvRequest, lo: int, hi: int) -> int:
     i = int(np.searchsorted(np.fromiter((s.end for s in segments), np.int64, len(segments)), lo, side="right"))
     if state.window is not None:
         return state.round_end(segments[i], lo, hi)
-    end = segments[i].end
-    while end < hi and i + 1 < len(segments) and segments[i + 1].start == end:
+    end, reads = segments[i].end, [segments[i].prefix_slots]
+    while end < hi and i + 1 < len(segments) and segments[i + 1].start == end and not _recycles(segments[i + 1], reads):
         i += 1
         end = segments[i].end
+        reads.append(segments[i].prefix_slots)
     return min(hi, end)
+
+
+def _recycles(segment: Any, reads: list[np.ndarray]) -> bool:
+    """Whether ``segment``'s copies write a slot that earlier segments of the round read (the plan
+    recycles a copy slot once its last reader ran; in one forward every copy runs before attention)."""
+    return segment.copies.size > 0 and bool(np.isin(segment.copies.dst, np.concatenate(reads)).any())
 
 
 def must_wait(adder: Any, req: Any, has_chunked_req: bool) -> bool:
