@@ -186,6 +186,7 @@ class Driver:
         self.logits: dict[str, dict[int, list[float]]] = {}
         self.batches: list[list[str]] = []
         self.tokens: list[list[int]] = []
+        self.extends: list[bool] = []
         self.prompt_len: dict[str, int] = {}
         self._record_logits()
         self.arriving = threading.Lock()
@@ -218,6 +219,7 @@ class Driver:
                 driver.batches.append(list(forward_batch.rids))
                 extend = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
                 driver.tokens.append(list(extend) if extend is not None else [1] * len(forward_batch.rids))
+                driver.extends.append(extend is not None)
             logits = getattr(out.logits_output, "next_token_logits", None)
             if logits is not None and forward_batch.rids is not None:
                 seq_lens = forward_batch.seq_lens_cpu.tolist()
@@ -352,6 +354,7 @@ def main() -> None:
     report["results"] = driver.results()
     report["batches"] = driver.batches
     report["tokens"] = driver.tokens
+    report["extends"] = driver.extends
     if job.get("flashinfer_probe"):
         report["flashinfer_probe"] = flashinfer_probe.report()
     report["audit"] = None if driver.audit is None else driver.audit.counts

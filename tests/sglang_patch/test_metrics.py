@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from akv.system.adapter.metrics import AkvMetrics
+from akv.system.adapter.metrics import AkvMetrics, PrefillStats, note_round
 from akv.system.cache.core import CacheCore
 from akv.system.cache.pool import SlotPool
 from akv.system.context.compiler import compile_program
@@ -61,3 +64,26 @@ def test_disabled_metrics_register_nothing() -> None:
     metrics = AkvMetrics(False, model_name="silent")
     metrics.evicted(3)
     assert _value("evicted_tokens_total", "silent") == 0
+
+
+def test_a_prefill_reports_its_forwards_tokens_and_host_time(caplog: pytest.LogCaptureFixture) -> None:
+    metrics = AkvMetrics(True, model_name="prefills")
+    core = CacheCore(SlotPool(256))
+    prog = _program(3)
+    active = core.admit(prog)
+    req = SimpleNamespace(rid="r1", akv_prefill=PrefillStats(host_seconds=0.001))
+    state = SimpleNamespace(program=prog, active=active)
+    note_round(req, state, 5, 0.002, metrics)  # a round that ends before the prompt's end reports nothing yet
+    assert _value("prefill_forwards_total", "prefills") == 0
+    with caplog.at_level(logging.DEBUG, logger="akv.system.adapter.metrics"):
+        note_round(req, state, prog.n_tokens, 0.003, metrics)
+    copy_slots = active.plan.fresh.size - prog.n_tokens  # cold: a birth per prompt token, the rest copies
+    assert copy_slots > 0
+    assert _value("prefill_forwards_total", "prefills") == 2
+    assert _value("prefill_new_tokens_total", "prefills") == prog.n_tokens  # cold: every prompt token computed
+    assert _value("prefill_cached_tokens_total", "prefills") == 0
+    assert _value("prefill_repositioned_tokens_total", "prefills") == 0
+    assert _value("prefill_copy_slots_total", "prefills") == copy_slots
+    assert _value("prefill_host_seconds_total", "prefills") == pytest.approx(0.006)
+    assert f"AKV prefill r1: forwards=2 new={prog.n_tokens} cached=0 repositioned=0 copy_slots={copy_slots} " \
+           "host_ms=6.000" in caplog.text
