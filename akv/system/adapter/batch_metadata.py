@@ -25,19 +25,10 @@ import torch
 from akv.system.adapter import host_rows, tp_check
 from akv.system.adapter.device import to_device
 from akv.system.adapter.context_request import VISIBLE_ALWAYS, AkvRequest
+from akv.system.adapter.copy_executor import CopyBatch
 from akv.system.adapter.metrics import PrefillStats, note_round
 from akv.system.cache.plan import CopyJob
 from akv.system.kernels import VisibleUntil, decode_kv_indices
-
-
-@dataclass(frozen=True)
-class CopyBatch:
-    """Re-rotation copies of one forward, on the KV device (int64)."""
-
-    src: torch.Tensor
-    dst: torch.Tensor
-    old_positions: torch.Tensor
-    new_positions: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,22 @@ the same forward)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from akv.system.kernels import LayerBuffers, RopeTable, rerotate_kv
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """Re-rotation copies of one forward, on the KV device (int64)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    old_positions: torch.Tensor
+    new_positions: torch.Tensor
 
 
 class CopyExecutor:
@@ -21,16 +34,20 @@ class CopyExecutor:
         self.rope = RopeTable.from_sglang(_rotary_embedding(model_runner.model))
         self.layers: dict[int, tuple[LayerBuffers, LayerBuffers]] = {}
 
-    def run(self, copies: Any) -> None:
+    def run(self, copies: CopyBatch) -> None:
         rerotate_kv(self.k, self.v, copies.src, copies.dst, copies.old_positions, copies.new_positions, self.rope)
 
-    def run_layer(self, layer_id: int, copies: Any) -> None:
+    def layer(self, layer_id: int) -> tuple[LayerBuffers, LayerBuffers]:
+        """Layer ``layer_id``'s K and V buffers, described for a one-layer launch."""
         buffers = self.layers.get(layer_id)
         if buffers is None:
             buffers = self.layers[layer_id] = (LayerBuffers.of([self.k_buffers[layer_id]], name="k_buffer"),
                                                LayerBuffers.of([self.v_buffers[layer_id]], name="v_buffer"))
-        rerotate_kv(*buffers, copies.src, copies.dst, copies.old_positions, copies.new_positions, self.rope,
-                    validate=False)
+        return buffers
+
+    def run_layer(self, layer_id: int, copies: CopyBatch) -> None:
+        rerotate_kv(*self.layer(layer_id), copies.src, copies.dst, copies.old_positions, copies.new_positions,
+                    self.rope, validate=False)
 
 
 def run_copies(model_runner: Any, forward_batch: Any) -> None:
