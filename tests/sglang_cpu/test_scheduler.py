@@ -142,6 +142,30 @@ def test_context_and_plain_requests_share_batches(matrix_run: tuple[list, dict])
     assert mixed, "the concurrent wave never put a context and a plain request in one forward"
 
 
+def assert_prefill_log(waves: list[list[Request]], report: dict) -> None:
+    """Each context request's prefill log lines (one per release) count the extend forwards that
+    carried it, as the driver saw the model runner called; each timed forward took device time, and
+    the copies inside a forward took less than it. Plain requests log nothing."""
+    lines: dict[str, list[dict]] = {}
+    for line in report["prefills"]:
+        lines.setdefault(line["rid"], []).append(line)
+    for request in (r for wave in waves for r in wave):
+        mine = lines.pop(request.rid, [])
+        if request.program is None:
+            assert not mine, request.rid
+            continue
+        assert sum(line["forwards"] for line in mine) == prefill_forwards(report, request.rid), (request.rid, mine)
+        for line in mine:
+            assert line["forward_ms"] > 0 and line["host_ms"] > 0 and line["wait_ms"] >= 0, line
+            assert line["copy_ms"] < line["forward_ms"], line
+            assert line["copy_ms"] > 0 or not line["copy_slots"], line
+    assert not lines, lines
+
+
+def test_matrix_prefill_log_counts_each_requests_forwards(matrix_run: tuple[list, dict]) -> None:
+    assert_prefill_log(*matrix_run)
+
+
 def test_forced_retraction_readmits_exactly(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     waves = scenarios.retraction_waves()
     report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=8, env={"SGLANG_TEST_RETRACT": "1"})
@@ -151,6 +175,7 @@ def test_forced_retraction_readmits_exactly(patched_site: Path, tiny_qwen3: Path
     for request in waves[0]:
         assert_exact(oracle_model, request, results[request.rid])
         assert reported_usage(request, results[request.rid]) == expected[request.rid], "usage is the first admission's"
+    assert_prefill_log(waves, report)
     assert_pool_back(report)
 
 
@@ -270,6 +295,10 @@ def test_multi_segment_requests_prefill_in_one_forward(
     for request in waves[1]:
         assert len(core.match(request.program).plan.plan.segments) >= 2, request.rid
         assert prefill_forwards(report, request.rid) == 1, (request.rid, report["batches"])
+    assert_prefill_log(waves, report)
+    for line in report["prefills"]:
+        if line["rid"] in rids:
+            assert line["rounds_ms"] == 0, line  # one forward: no scheduling step between rounds
     assert report["results"]["rounds-cold-aborted"]["finished"]["type"] == "abort"
     for request in waves[0] + waves[1][:-1]:
         assert_exact(oracle_model, request, report["results"][request.rid])

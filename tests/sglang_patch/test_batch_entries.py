@@ -1,5 +1,5 @@
 """An extend forward's attention entries and per-layer copy levels
-(``akv.system.adapter.batch_metadata``), on hand-made inputs; SGLang's real scheduler serves them in
+(``akv.system.adapter.extend_entries``), on hand-made inputs; SGLang's real scheduler serves them in
 tests/sglang_cpu."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from akv.system.adapter.batch_metadata import ExtendEntries, _add_layer_jobs
+from akv.system.adapter.extend_entries import ExtendEntries, add_layer_jobs
 from akv.system.cache.plan import CopyJob
 
 
@@ -19,8 +19,8 @@ def _job(src: list[int], dst: list[int]) -> CopyJob:
 def test_a_copy_that_reads_another_copys_slot_runs_in_a_later_level() -> None:
     levels: list[list[CopyJob]] = []
     first, chained, independent = _job([1, 2], [10, 11]), _job([11], [12]), _job([3], [13])
-    _add_layer_jobs(levels, [first, independent, chained])  # one request: the chain starts a level
-    _add_layer_jobs(levels, [_job([4], [14])])  # another request's job joins the first level
+    add_layer_jobs(levels, [first, independent, chained])  # one request: the chain starts a level
+    add_layer_jobs(levels, [_job([4], [14])])  # another request's job joins the first level
     assert [[j.dst.tolist() for j in level] for level in levels] == [[[10, 11], [13], [14]], [[12]]]
 
 

@@ -26,42 +26,10 @@ from akv.system.adapter import host_rows, tp_check
 from akv.system.adapter.device import to_device
 from akv.system.adapter.context_request import VISIBLE_ALWAYS, AkvRequest
 from akv.system.adapter.copy_executor import CopyBatch
-from akv.system.adapter.metrics import PrefillStats, note_round
+from akv.system.adapter.extend_entries import EntryLists, ExtendEntries, add_layer_jobs, pieces
+from akv.system.adapter.prefill_timing import ForwardTimer
 from akv.system.cache.plan import CopyJob
 from akv.system.kernels import VisibleUntil, decode_kv_indices
-
-
-@dataclass(frozen=True)
-class ExtendEntries:
-    """The attention entries of an extend forward, in query order: a plain request (``rows[i]``, its
-    ``req_to_token`` row, whose first ``n_prefix[i]`` columns it reads) or one segment's part of a
-    context request's round (``rows[i] == -1``: it reads the next ``n_prefix[i]`` slots of
-    ``context_prefix``). Entry ``i`` has ``n_own[i]`` queries (``qo_indptr``, int32 on the device),
-    whose own slots follow its prefix in ``req_to_token`` or are the next ones of ``context_own``."""
-
-    rows: np.ndarray
-    n_prefix: np.ndarray
-    n_own: np.ndarray
-    qo_indptr: torch.Tensor
-    context_prefix: torch.Tensor
-    context_own: torch.Tensor
-
-    def kv_lists(self, req_to_token: torch.Tensor, *, include_own: bool,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kv_indptr`` / ``kv_indices``: each entry's prefix, followed (``include_own``) by its own slots."""
-        parts, p, o = [], 0, 0
-        for row, n_prefix, n_own in zip(self.rows.tolist(), self.n_prefix.tolist(), self.n_own.tolist()):
-            if row >= 0:
-                parts.append(req_to_token[row, : n_prefix + (n_own if include_own else 0)])
-                continue
-            parts.append(self.context_prefix[p : p + n_prefix])
-            if include_own:
-                parts.append(self.context_own[o : o + n_own])
-            p, o = p + n_prefix, o + n_own
-        counts = self.n_prefix + self.n_own if include_own else self.n_prefix
-        indptr = to_device(np.concatenate([[0], np.cumsum(counts)]), req_to_token.device, torch.int32)
-        indices = torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype, device=req_to_token.device)
-        return indptr, indices
 
 
 @dataclass(frozen=True)
@@ -81,6 +49,7 @@ class AkvForward:
     key_positions: torch.Tensor | None = None
     entries: ExtendEntries | None = None
     layer_copies: tuple[CopyBatch, ...] = ()
+    timer: ForwardTimer | None = None
 
 
 class VisibilityTable:
@@ -104,14 +73,12 @@ def before_alloc(batch: Any) -> None:
         state = getattr(req, "akv", None)
         if state is None:
             continue
-        started = time.perf_counter()
-        first, committing = state.first_usage is None, state.active is None
+        first = state.first_usage is None
+        if state.active is None:
+            state.prefill.admitted(req.time_stats.wait_queue_entry_time)
         state.commit(core)
         if first:
             batch.tree_cache.metrics.admitted(state.program, state.active.plan)
-        if committing:
-            req.akv_prefill = PrefillStats()
-        req.akv_prefill.host_seconds += time.perf_counter() - started
         view = state.prefix_view(req.extend_range.start)
         req.prefix_indices = to_device(view, batch.device)
 
@@ -126,8 +93,9 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
     cache = batch.tree_cache
     slots = out_cache_loc.cpu().numpy().astype(np.int64)
     positions, rows, queries = [], [], []
-    entries = _EntryLists()
+    entries = EntryLists()
     layer_jobs: list[list[CopyJob]] = []
+    timer = ForwardTimer(batch.device) if cache.metrics.timing() else None
     offset = 0
     for req, lo, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
         state = getattr(req, "akv", None)
@@ -148,7 +116,7 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
         req.cache_protected_len = hi
         req.cached_tokens = state.first_usage.cached_tokens
         jobs = []
-        for a, b, segment in _pieces(state, lo, hi):
+        for a, b, segment in pieces(state, lo, hi):
             if cache.positions is not None and a == segment.start:
                 cache.positions.write_segment(req.req_pool_idx, segment)
             positions.append(state.round_positions(a, b))
@@ -158,66 +126,13 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
             job = state.round_copies(a)
             if job is not None:
                 jobs.append(job)
-        _add_layer_jobs(layer_jobs, jobs)
+        add_layer_jobs(layer_jobs, jobs)
         rows.append(req.req_pool_idx + 1)
         queries.append(lo)
-        note_round(req, state, hi, time.perf_counter() - started, cache.metrics)
+        state.prefill.round(time.perf_counter() - started, hi == state.program.n_tokens, timer)
         offset += ext
     return _forward(cache, batch.device, np.concatenate(positions), rows, queries, entries.n_prefix, [],
-                    entries.build(batch.device), layer_jobs)
-
-
-def _pieces(state: AkvRequest, lo: int, hi: int) -> Any:
-    """``(a, b, segment)``: the columns ``[a, b)`` of ``[lo, hi)`` that each segment covers, in order."""
-    while lo < hi:
-        segment = state.current(lo)
-        end = min(hi, segment.end)
-        yield lo, end, segment
-        lo = end
-
-
-def _add_layer_jobs(levels: list[list[CopyJob]], jobs: list[CopyJob]) -> None:
-    """Add one request's copy jobs to the forward's launch levels: a job that reads a slot an earlier
-    job of the level writes goes one level further (levels run in order, each in one launch)."""
-    level, written = 0, np.zeros(0, dtype=np.int64)
-    for job in jobs:
-        if np.isin(job.src, written).any():
-            level, written = level + 1, job.dst
-        else:
-            written = np.concatenate([written, job.dst])
-        while len(levels) <= level:
-            levels.append([])
-        levels[level].append(job)
-
-
-class _EntryLists:
-    """Host side of :class:`ExtendEntries` while a batch is walked."""
-
-    def __init__(self) -> None:
-        self.rows: list[int] = []
-        self.n_prefix: list[int] = []
-        self.n_own: list[int] = []
-        self.prefix: list[np.ndarray] = []
-        self.own: list[np.ndarray] = []
-
-    def plain(self, row: int, n_prefix: int, n_own: int) -> None:
-        self.rows.append(row)
-        self.n_prefix.append(n_prefix)
-        self.n_own.append(n_own)
-
-    def context(self, prefix: np.ndarray, own: np.ndarray) -> None:
-        self.plain(-1, prefix.size, own.size)
-        self.prefix.append(prefix)
-        self.own.append(own)
-
-    def build(self, device: Any) -> ExtendEntries:
-        def cat(arrays: list[np.ndarray]) -> torch.Tensor:
-            return to_device(np.concatenate(arrays) if arrays else np.zeros(0, np.int64), device, torch.int32)
-
-        n_own = np.asarray(self.n_own, dtype=np.int64)
-        qo_indptr = to_device(np.concatenate([[0], np.cumsum(n_own)]), device, torch.int32)
-        return ExtendEntries(rows=np.asarray(self.rows, dtype=np.int64), n_prefix=np.asarray(self.n_prefix, dtype=np.int64),
-                             n_own=n_own, qo_indptr=qo_indptr, context_prefix=cat(self.prefix), context_own=cat(self.own))
+                    entries.build(batch.device), layer_jobs, timer)
 
 
 def for_decode(batch: Any) -> AkvForward | None:
@@ -254,7 +169,7 @@ def for_decode(batch: Any) -> AkvForward | None:
 
 def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], queries: list[int],
              prefix: list[int], copies: list[CopyJob], entries: ExtendEntries | None,
-             layer_jobs: list[list[CopyJob]]) -> AkvForward:
+             layer_jobs: list[list[CopyJob]], timer: ForwardTimer | None = None) -> AkvForward:
     def dev(values: Any, dtype: torch.dtype) -> torch.Tensor:
         return to_device(np.asarray(values, dtype=np.int64), device, dtype)
 
@@ -271,7 +186,7 @@ def _forward(cache: Any, device: Any, positions: np.ndarray, rows: list[int], qu
     return AkvForward(positions=dev(positions, torch.int64), visibility=visibility,
                       visible_prefix=np.asarray(prefix, dtype=np.int64), copies=batch_of(copies) if copies else None,
                       key_positions=key_positions, entries=entries,
-                      layer_copies=tuple(batch_of(level) for level in layer_jobs))
+                      layer_copies=tuple(batch_of(level) for level in layer_jobs), timer=timer)
 
 
 def triton_kv_lists(forward_batch: Any, req_to_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from akv.system.adapter.prefill_timing import PrefillStats
 from akv.system.adapter.window_lists import segment_round_end
 from akv.system.cache.core import ActiveRequest, CacheCore, Draft
 from akv.system.cache.occurrence import resolve_births
@@ -49,6 +50,7 @@ class AkvRequest:
         self._kept: tuple[ContextProgram, int] | None = None
         self.window: int | None = None  # the model's sliding window, set by the radix cache
         self.admission_s = 0.0  # host seconds spent matching, planning, locking and committing
+        self.prefill = PrefillStats()  # where its prefill's time went (reported and reset when released)
 
     # ---- planning -------------------------------------------------------------------------------
 

@@ -66,12 +66,17 @@ def run_copies(model_runner: Any, forward_batch: Any) -> None:
 
 def run_layer_copies(pool: Any, forward_batch: Any, layer: Any) -> None:
     """Run the forward's per-layer copies for ``layer``, level by level (called by the attention
-    backend once the layer's new KV is in ``pool``)."""
+    backend once the layer's new KV is in ``pool``), timed when the forward carries a timer."""
     akv = getattr(forward_batch, "akv", None)
     if akv is None or not akv.layer_copies:
         return
+    interval = None if akv.timer is None else akv.timer.copy()
+    if interval is not None:
+        interval.mark()
     for copies in akv.layer_copies:
         pool.akv_copy_executor.run_layer(layer.layer_id, copies)
+    if interval is not None:
+        interval.mark()
 
 
 def _rotary_embedding(model: Any) -> Any:
