@@ -23,6 +23,9 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # SGLang wraps gpt-oss's and MiniMax-M2's MoE routing in torch.compile: each CPU server a test
+    # starts would compile it with inductor again (~15 CPU s each), on no path AKV changes.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # Nothing a test loads comes from the Hugging Face hub: without this, transformers probes the hub
 # for local files too, and a run stalled for minutes where the network does not answer.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,13 +56,30 @@ def patched_site(patched: _build.BuildResult) -> Path:
     return _build.installed_site(patched.wheel)
 
 
+# The files that took longest in a whole-suite run (tests/README.md), longest first.
+_LONGEST = ("bench/test_models_check.py", "sglang_cpu/test_scheduler.py", "bench/test_soak_dry_run.py",
+            "sglang_cpu/test_models.py", "sglang_cpu/test_demo_models.py")
+
+
+def _file_rank(item: pytest.Item, slow_files: set[Path]) -> int:
+    """The measured longest files first, then files with slow tests, then the rest."""
+    relative = Path(str(item.path)).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+    if relative in _LONGEST:
+        return _LONGEST.index(relative)
+    return len(_LONGEST) + (item.path not in slow_files)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tiers: every test not marked ``slow`` or ``gpu`` is also ``quick`` (before ``-m`` selects);
-    GPU tests skip where no CUDA device is present."""
+    GPU tests skip where no CUDA device is present. Files run longest first (``--no-loadscope-reorder``
+    keeps this order on the xdist workers): with a file to a worker, a long file started last would
+    run alone at the end."""
     for item in items:
         if "slow" not in item.keywords and "gpu" not in item.keywords:
             item.add_marker(pytest.mark.quick)
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: _file_rank(item, slow_files))
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; runs on the H200 through tools/gpu")

@@ -1,6 +1,6 @@
 """A dependency-free SVG chart: per step, prompt tokens stacked by how the server served them (cached,
-re-rotated, new), the dropped tokens as a bar beside them (they overlap the others), and the step
-latency as a line on a second axis; both axes carry tick values."""
+re-rotated, computed, dropped unread), the tokens a drop hid as a bar beside them (they overlap the
+stack), and the step latency as a line on a second axis; both axes carry tick values."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from akv_demo.report import StepRecord
 _STACKED = (
     ("cached", "cached_tokens", "#4c9f70"),
     ("re-rotated", "repos_tokens", "#3b7dd8"),
-    ("new: computed or dropped unread", "new_tokens", "#e0813a"),
+    ("computed", "computed_tokens", "#e0813a"),
+    ("dropped unread", "unread_tokens", "#d9c7a7"),
 )
-_DROPPED = ("dropped (also counted in the stack)", "drop_skipped_tokens", "#9a9a9a")
+_DROPPED = ("hidden by a drop (overlaps the stack)", "drop_skipped_tokens", "#9a9a9a")
 _WIDTH, _HEIGHT = 760, 440
 _LEFT, _RIGHT, _TOP, _BOTTOM = 80, 80, 40, 100
 _CHAR_W = 6.5  # width of one 11px sans-serif character, generously

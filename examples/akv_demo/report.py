@@ -17,6 +17,7 @@ class StepRecord:
     cached_tokens: int
     repos_tokens: int
     drop_skipped_tokens: int
+    computed_tokens: int
     completion_tokens: int
     latency_s: float
     dropped_so_far: int
@@ -26,17 +27,23 @@ class StepRecord:
     @classmethod
     def from_usage(cls, step: int, messages: int, usage: Mapping[str, Any] | None, latency_s: float,
                    dropped_so_far: int, repositions_so_far: int, action: str) -> StepRecord:
-        """Build from an OpenAI ``usage`` object; a missing usage is an error (the server must report it)."""
+        """Build from an OpenAI ``usage`` object; a missing usage is an error (the server must report it).
+        A request without ``computed_tokens`` (a plain request: nothing dropped) computed every prompt
+        token it did not read from the cache."""
         if not isinstance(usage, Mapping):
             raise ValueError(f"step {step}: the server returned no usage object, got {usage!r}")
         details = usage.get("prompt_tokens_details") or {}
+        prompt, cached = int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+        repos = int(details.get("repos_tokens") or 0)
+        computed = details.get("computed_tokens")
         return cls(
             step=step,
             messages=messages,
-            prompt_tokens=int(usage["prompt_tokens"]),
-            cached_tokens=int(details.get("cached_tokens") or 0),
-            repos_tokens=int(details.get("repos_tokens") or 0),
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            repos_tokens=repos,
             drop_skipped_tokens=int(details.get("drop_skipped_tokens") or 0),
+            computed_tokens=prompt - cached - repos if computed is None else int(computed),
             completion_tokens=int(usage.get("completion_tokens") or 0),
             latency_s=latency_s,
             dropped_so_far=dropped_so_far,
@@ -45,40 +52,43 @@ class StepRecord:
         )
 
     @property
-    def new_tokens(self) -> int:
-        """Prompt tokens not read from the cache: computed by this request, or dropped before any
-        query read them. (``drop_skipped_tokens`` counts every dropped token, computed or reused,
-        so it overlaps the other counts and is reported beside them, not added to them.)"""
-        return self.prompt_tokens - self.cached_tokens - self.repos_tokens
+    def unread_tokens(self) -> int:
+        """Prompt tokens dropped before any query read them: neither computed nor read from the cache.
+        With cached, re-rotated and computed they make up the prompt. (``drop_skipped_tokens`` counts
+        every dropped token, computed or reused, so it overlaps the others.)"""
+        return self.prompt_tokens - self.cached_tokens - self.repos_tokens - self.computed_tokens
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "new_tokens": self.new_tokens}
+        return {**asdict(self), "unread_tokens": self.unread_tokens}
 
 
 def step_line(record: StepRecord) -> str:
     """The line the demo prints after each step."""
     return (f"[step {record.step:2d}] served {record.prompt_tokens:6d} tok | cached {record.cached_tokens:6d} | "
-            f"re-rotated {record.repos_tokens:5d} | skipped {record.drop_skipped_tokens:5d} | "
-            f"new {record.new_tokens:6d} | {record.latency_s:6.2f} s | {record.action}")
+            f"re-rotated {record.repos_tokens:5d} | computed {record.computed_tokens:6d} | "
+            f"dropped unread {record.unread_tokens:5d} | hidden {record.drop_skipped_tokens:5d} | "
+            f"{record.latency_s:6.2f} s | {record.action}")
 
 
 # (title, field, width, format spec, meaning); the action column is left-aligned and unpadded.
 _COLUMNS = (
     ("step", "step", 4, "d", "the call's number"),
     ("msgs", "messages", 5, "d", "messages sent"),
-    ("sent", "prompt_tokens", 8, "d", "prompt tokens (usage.prompt_tokens) = cached + re-rot + new"),
+    ("sent", "prompt_tokens", 8, "d", "prompt tokens (usage.prompt_tokens) = cached + re-rot + computed + unread"),
     ("cached", "cached_tokens", 8, "d", "prompt tokens whose KV was reused at its own position (cached_tokens)"),
     ("re-rot", "repos_tokens", 8, "d", "prompt tokens whose KV was reused after re-rotating it to a new position "
                                        "(repos_tokens)"),
-    ("new", "new_tokens", 9, "d", "prompt tokens not read from the cache: computed by this call, or dropped "
-                                  "before any query of it read them (the server does not report the two apart)"),
-    ("dropped", "drop_skipped_tokens", 8, "d", "prompt tokens hidden by a drop from every query after it "
-                                               "(drop_skipped_tokens); they are also in cached, re-rot or new"),
+    ("computed", "computed_tokens", 9, "d", "prompt tokens whose KV this call computed (computed_tokens)"),
+    ("unread", "unread_tokens", 8, "d", "prompt tokens dropped before any query read them: neither computed "
+                                        "nor read from the cache"),
+    ("hidden", "drop_skipped_tokens", 8, "d", "prompt tokens a drop hides from every query after it "
+                                              "(drop_skipped_tokens), whether computed or reused before the drop; "
+                                              "they overlap the four columns before"),
     ("gen", "completion_tokens", 5, "d", "generated tokens"),
     ("latency_s", "latency_s", 10, ".2f", "seconds from sending the request to the end of the reply"),
     ("msgs-drop", "dropped_so_far", 10, "d", "messages dropped so far in the conversation"),
 )
-_SUMMED = ("prompt_tokens", "cached_tokens", "repos_tokens", "drop_skipped_tokens", "new_tokens",
+_SUMMED = ("prompt_tokens", "cached_tokens", "repos_tokens", "computed_tokens", "unread_tokens", "drop_skipped_tokens",
            "completion_tokens", "latency_s")
 
 

@@ -30,7 +30,9 @@ def test_plain_requests_share_prefixes() -> None:
     core.finish(core.admit(plain.program(1)))
     request = core.admit(plain.program(3))
     assert request.plan.match.n_tokens == 4
-    assert request.plan.usage.as_dict() == {"cached_tokens": 4, "repos_tokens": 0, "drop_skipped_tokens": 0}
+    n_prompt = plain.program(3).n_prompt
+    assert request.plan.usage.as_dict() == {"cached_tokens": 4, "repos_tokens": 0, "drop_skipped_tokens": 0,
+                                            "computed_tokens": n_prompt - 4}
     core.finish(request)
 
 
@@ -44,7 +46,8 @@ def test_usage_of_an_agent_turn_worked_by_hand() -> None:
     request = core.admit(Conversation(MESSAGES, {2: (1,)}, (2,)).program(3))
     plan = request.plan
     assert np.flatnonzero(plan.computed).tolist() == [6, 7]
-    assert plan.usage.as_dict() == {"cached_tokens": 2, "repos_tokens": 2, "drop_skipped_tokens": 2}
+    assert plan.usage.as_dict() == {"cached_tokens": 2, "repos_tokens": 2, "drop_skipped_tokens": 2,
+                                    "computed_tokens": 2}
     (segment,) = plan.segments
     assert segment.prefix_tokens.tolist() == [0, 1, 4, 5] and segment.prefix_positions.tolist() == [0, 1, 2, 3]
     copies = segment.copies
@@ -130,4 +133,5 @@ def test_eviction_takes_dropped_kv_first_and_the_next_turn_loses_nothing() -> No
     nxt = core.admit(agent.program(3))
     assert nxt.plan.match.n_tokens == 6 and not nxt.plan.match.resident[2:4].any()
     assert np.flatnonzero(nxt.plan.computed).tolist() == [6, 7]
-    assert nxt.plan.usage.as_dict() == {"cached_tokens": 4, "repos_tokens": 0, "drop_skipped_tokens": 2}
+    assert nxt.plan.usage.as_dict() == {"cached_tokens": 4, "repos_tokens": 0, "drop_skipped_tokens": 2,
+                                        "computed_tokens": 2}

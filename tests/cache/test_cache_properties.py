@@ -50,6 +50,7 @@ def _check_usage(plan: RequestPlan, trace: Trace, brute: BruteLayout, n_prompt: 
     assert plan.usage.cached_tokens == len(reused) - len(rerotated)
     assert plan.usage.repos_tokens == len(rerotated)
     assert plan.usage.drop_skipped_tokens == len(dropped), "every dropped prompt token counts, computed or not"
+    assert plan.usage.computed_tokens == sum(1 for s in prompt if s in trace.computed)
 
 
 def _check_held(active: list[tuple[ActiveRequest, Conversation, int, BruteLayout]], pool: SlotPool, kv: SimulatedKV) -> None:

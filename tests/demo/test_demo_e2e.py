@@ -116,7 +116,11 @@ def test_artifacts_are_complete_and_valid(server_url: str, tmp_path: Path) -> No
     for row in summary["steps"]:
         usage = load(out / "steps" / f"{row['step']:02d}" / "usage.json")
         assert row["prompt_tokens"] == usage["prompt_tokens"]
-        assert row["drop_skipped_tokens"] == usage["prompt_tokens_details"]["drop_skipped_tokens"]
+        details = usage["prompt_tokens_details"]
+        assert row["drop_skipped_tokens"] == details["drop_skipped_tokens"]
+        assert row["computed_tokens"] == details["computed_tokens"]
+        # The dropped tokens nothing read are among the tokens a drop hid.
+        assert 0 <= row["unread_tokens"] <= details["drop_skipped_tokens"]
     assert summary["totals"]["prompt_tokens"] == sum(r.prompt_tokens for r in result.records)
     table, meanings = (out / "summary.txt").read_text().split("\n\nColumns:\n")
     assert len(table.splitlines()) == 2 + (CHAIN + 1) + 2

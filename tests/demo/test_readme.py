@@ -121,13 +121,13 @@ def test_quick_start_commands_run_as_printed_in_order(quick_start, workdir: Path
 def test_the_sample_step_line_has_the_format_the_demo_prints() -> None:
     (line,) = [m for m in fenced(section("Quick start"), "") if m.startswith("[step")]
     line = line.strip()
-    numbers = re.match(r"\[step +(\d+)\] served +(\d+) tok \| cached +(\d+) \| re-rotated +(\d+) \| skipped +(\d+) "
-                       r"\| new +(\d+) \| +([\d.]+) s \| (.+)$", line)
+    numbers = re.match(r"\[step +(\d+)\] served +(\d+) tok \| cached +(\d+) \| re-rotated +(\d+) \| "
+                       r"computed +(\d+) \| dropped unread +(\d+) \| hidden +(\d+) \| +([\d.]+) s \| (.+)$", line)
     assert numbers, line
-    step, served, cached, repos, skipped, new, latency, action = numbers.groups()
-    record = StepRecord(int(step), 0, int(served), int(cached), int(repos), int(skipped), 0, float(latency), 0, 0,
-                        action)
-    assert record.new_tokens == int(new)
+    step, served, cached, repos, computed, unread, hidden, latency, action = numbers.groups()
+    record = StepRecord(int(step), 0, int(served), int(cached), int(repos), int(hidden), int(computed), 0,
+                        float(latency), 0, 0, action)
+    assert record.unread_tokens == int(unread)
     assert step_line(record) == line
 
 

@@ -3,8 +3,6 @@ cold and warm, gives the oracle's greedy tokens and log-probabilities."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from akv.system.reference.gpt_oss import GptOssReferenceModel
 from akv.system.reference.oracle import run_program
 from akv.system.reference_server import Engine, ReferenceServer
 from tests.gpt_oss.conversation import MESSAGES, TOOLS, template_inputs
+from http_client import post_ok
 
 MODEL = "gpt-oss-tiny"
 
@@ -29,13 +28,6 @@ def server_url(gpt_oss_dir: Path) -> Iterator[tuple[str, Engine]]:
     server = ReferenceServer(engine)
     with server.running():
         yield server.url, engine
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        return json.loads(response.read())
 
 
 def _assert_matches_oracle(model: GptOssReferenceModel, tokenizer: Any, reply: dict[str, Any], n_messages: int,
@@ -66,7 +58,7 @@ def test_tool_conversation_with_drops_is_served_exactly(server_url: tuple[str, E
     for n_messages, drop_message, reposition in turns:
         body = {"model": MODEL, "messages": MESSAGES[:n_messages], "tools": TOOLS, "max_tokens": 4,
                 "logprobs": True, "temperature": 0, "drop_message": drop_message, "reposition": reposition}
-        reply = _post(url, body)
+        reply = post_ok(url, body, timeout=300)
         owners.append(_assert_matches_oracle(model, harmony_tokenizer, reply, n_messages,
                                              {"drop_message": drop_message, "reposition": reposition}))
         usage.append(reply["usage"])

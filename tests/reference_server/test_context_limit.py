@@ -6,9 +6,6 @@ the same length leaves; a prompt whose next position is already at the limit is 
 from __future__ import annotations
 
 import dataclasses
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ from akv.system.context.provenance import ChatTemplate, token_provenance
 from akv.system.models.tiny import make_tiny_model
 from akv.system.reference_server import Engine, ReferenceServer
 from akv.system.reference_server.model_dir import load_model_dir
+import http_client
 
 MODEL = "tiny-test"
 MESSAGES = [
@@ -57,13 +55,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> I
 
 def post(url: str, **fields: Any) -> tuple[int, dict[str, Any]]:
     body = {"model": MODEL, "messages": MESSAGES, **fields}
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_client.post(url, body)
 
 
 def test_a_prompt_at_the_limit_is_refused_naming_messages(limited: tuple[str, int, int]) -> None:

@@ -5,10 +5,7 @@ hides the reasoning from later queries (usage and the oracle agree) while the an
 
 from __future__ import annotations
 
-import json
 import shutil
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from akv.system.reference_server import Engine, ReferenceServer
 from akv.system.reference_server.model_dir import load_model_dir
 
 from .conftest import MODEL_NAME
+from http_client import post
 
 QWEN3_TEMPLATE = Path(__file__).parents[1] / "context" / "templates" / "qwen3.jinja"
 
@@ -49,16 +47,6 @@ AGENT = [
     {"role": "assistant", "content": "It is at dock 9."},
     {"role": "user", "content": "Thanks. Which dock again?"},
 ]
-
-
-def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def ask(url: str, messages: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
@@ -148,7 +136,8 @@ def test_keep_text_drop_partial_message_and_forced_fallback(served: Any, oracle_
     plain = ask(served.url, rewritten)
     assert generated(reply) == generated(plain)
     assert reply["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
-    assert set(reply["usage"]["prompt_tokens_details"]) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens"}
+    assert set(reply["usage"]["prompt_tokens_details"]) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens",
+                                                                "computed_tokens"}
 
 
 def thinking_call(i: int) -> dict[str, Any]:

@@ -4,7 +4,6 @@ cache reuse, and the usage counters match a hand-worked count over message owner
 from __future__ import annotations
 
 import json
-import urllib.request
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from akv.system.context.rules import parse_rules
 from akv.system.reference.model import ReferenceModel
 from akv.system.reference.oracle import run_program
 from akv.system.reference_server.model_dir import load_model_dir
+from http_client import post_ok
 
 MODEL = "tiny-test"
 RECORD_ID = {"type": "object", "properties": {"record_id": {"type": "string"}}}
@@ -57,13 +57,6 @@ def oracle_model(served: Any) -> ReferenceModel:
     return ReferenceModel.from_pretrained(served.model_dir)
 
 
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
 def body(n_messages: int, **fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": CONVERSATION[:n_messages], "tools": TOOLS, "max_tokens": 8,
             "logprobs": True, "top_logprobs": 5, **fields}
@@ -99,15 +92,15 @@ def assert_matches_oracle(served: Any, model: ReferenceModel, reply: dict[str, A
 
 def test_drops_and_repositions_are_served_exactly_cold_and_warm(served: Any, oracle_model: ReferenceModel) -> None:
     served.engine.cache.flush()
-    plain = post(served.url, body(4))
+    plain = post_ok(served.url, body(4))
     assert_matches_oracle(served, oracle_model, plain, 4, None, None)
 
     rules = {"drop_message": {"5": [3]}, "reposition": [5]}
-    second = post(served.url, body(6, **rules))
+    second = post_ok(served.url, body(6, **rules))
     assert_matches_oracle(served, oracle_model, second, 6, rules["drop_message"], rules["reposition"])
 
     rules = {"drop_message": {"5": [3], "7": [5]}, "reposition": [5, 7]}
-    third = post(served.url, body(8, **rules))
+    third = post_ok(served.url, body(8, **rules))
     assert_matches_oracle(served, oracle_model, third, 8, rules["drop_message"], rules["reposition"])
     details = third["usage"]["prompt_tokens_details"]
     assert details["cached_tokens"] > 0 and details["repos_tokens"] > 0 and details["drop_skipped_tokens"] > 0
@@ -116,23 +109,25 @@ def test_drops_and_repositions_are_served_exactly_cold_and_warm(served: Any, ora
 def test_usage_counts_match_message_ownership(served: Any) -> None:
     """Warm messages 0..5 with a plain request; then drop message 3 at 5 and reposition there.
     Messages 0..2 are read at their stored positions (cached), message 3 is never read (skipped),
-    messages 4..5 are read shifted left by message 3's length (re-rotated)."""
+    messages 4..5 are read shifted left by message 3's length (re-rotated); messages 6..7 and the
+    generation prompt are computed."""
     served.engine.cache.flush()
-    post(served.url, body(6))
-    reply = post(served.url, body(8, drop_message={"5": [3]}, reposition=[5]))
+    post_ok(served.url, body(6))
+    reply = post_ok(served.url, body(8, drop_message={"5": [3]}, reposition=[5]))
     owners = provenance(served, 8).owners
     details = reply["usage"]["prompt_tokens_details"]
     assert details == {
         "cached_tokens": int(np.isin(owners, [0, 1, 2]).sum()),
         "repos_tokens": int(np.isin(owners, [4, 5]).sum()),
         "drop_skipped_tokens": int((owners == 3).sum()),
+        "computed_tokens": int((owners >= 6).sum()),
     }
 
 
 def test_plain_request_reuses_its_prefix(served: Any) -> None:
     served.engine.cache.flush()
-    cold = post(served.url, body(4))
-    warm = post(served.url, body(6))
+    cold = post_ok(served.url, body(4))
+    warm = post_ok(served.url, body(6))
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     owners = provenance(served, 6).owners
     reused = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -142,7 +137,7 @@ def test_plain_request_reuses_its_prefix(served: Any) -> None:
 
 def test_stream_and_non_stream_agree(served: Any) -> None:
     rules = {"drop_message": {"5": [3]}, "reposition": [5]}
-    complete = post(served.url, body(6, **rules))
+    complete = post_ok(served.url, body(6, **rules))
     streamed = send_chat_request(served.url, {**body(6, **rules), "stream": True}, timeout=120)
     message = complete["choices"][0]["message"]
     assert streamed.content == (message["content"] or "")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from akv.system.cache.occurrence import cold_plan
 from akv.system.reference_server import Engine, ReferenceServer, parse_chat_request
 from akv.system.reference_server.sampling import Sampler
 from akv.system.reference_server.text import TextTracker
+from http_client import post_text
 
 MODEL = "tiny-test"
 
@@ -30,17 +29,6 @@ def body(topic: str, **extra: Any) -> dict[str, Any]:
     messages = [{"role": "system", "content": "You answer briefly."},
                 {"role": "user", "content": f"Tell me about {topic}."}]
     return {"model": MODEL, "messages": messages, "max_tokens": 6, **extra}
-
-
-def post(url: str, payload: dict[str, Any]) -> tuple[int, str]:
-    """Status and raw body text (JSON, or the whole event stream)."""
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def snapshot(engine: Engine) -> tuple[list[int], dict[str, int], int]:
@@ -101,39 +89,39 @@ CASES = [(fault, stream) for fault in FAULTS for stream in (False, True) if stre
 @pytest.mark.parametrize(("fault", "stream"), CASES, ids=[f"{f}-{'stream' if s else 'complete'}" for f, s in CASES])
 def test_a_failure_after_admission_releases_everything(served: Any, no_eos: Engine, monkeypatch: pytest.MonkeyPatch,
                                                        fault: str, stream: bool) -> None:
-    assert post(served.url, body("tea"))[0] == 200  # a resident prefix the failing request locks
+    assert post_text(served.url, body("tea"))[0] == 200  # a resident prefix the failing request locks
     request = body(f"tea and {fault}", stream=stream, logprobs=True)
     before = snapshot(no_eos)
     with monkeypatch.context() as mp:
         FAULTS[fault](mp, no_eos)
-        status, text = post(served.url, request)
+        status, text = post_text(served.url, request)
     assert "injected fault" in text
     if status == 200:  # the stream had started: an error event and no [DONE]
         assert stream and "[DONE]" not in text
     else:
         assert status == 500
     assert snapshot(no_eos) == before
-    assert post(served.url, request)[0] == 200
+    assert post_text(served.url, request)[0] == 200
 
 
 def test_a_failing_reply_after_publishing_holds_nothing(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server_module, "logprob_entries", fail_on(1, server_module.logprob_entries, "the reply"))
-    status, text = post(served.url, body("coffee", logprobs=True))
+    status, text = post_text(served.url, body("coffee", logprobs=True))
     assert status == 500 and "injected fault in the reply" in text
     assert nothing_held_outside_the_tree(served.engine)
     monkeypatch.undo()
-    assert post(served.url, body("coffee", logprobs=True))[0] == 200
+    assert post_text(served.url, body("coffee", logprobs=True))[0] == 200
 
 
 def test_an_out_of_range_seed_is_refused_before_admission(served: Any) -> None:
     before = snapshot(served.engine)
-    status, text = post(served.url, body("seeds", seed=10**30, temperature=1.0))
+    status, text = post_text(served.url, body("seeds", seed=10**30, temperature=1.0))
     assert status == 400 and json.loads(text)["error"]["param"] == "seed"
     assert snapshot(served.engine) == before
     for _ in range(3):  # the old leak: a few of these exhausted the pool for good
-        assert post(served.url, body("seeds", seed=-(10**30), temperature=1.0))[0] == 400
+        assert post_text(served.url, body("seeds", seed=-(10**30), temperature=1.0))[0] == 400
     assert snapshot(served.engine) == before
-    assert post(served.url, body("seeds", seed=2**64 - 1, temperature=1.0))[0] == 200
+    assert post_text(served.url, body("seeds", seed=2**64 - 1, temperature=1.0))[0] == 200
 
 
 # --- KV capacity: a pool a little larger than one request ---------------------------------------------
@@ -162,15 +150,15 @@ def small(tiny_model_dir: Path) -> Iterator[tuple[str, Engine]]:
 def test_a_demand_that_never_fits_is_a_400_naming_the_field(small: tuple[str, Engine]) -> None:
     url, engine = small
     before = snapshot(engine)
-    status, text = post(url, long_body("tea", max_tokens=engine.pool.size))
+    status, text = post_text(url, long_body("tea", max_tokens=engine.pool.size))
     assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens"
-    status, text = post(url, long_body("tea", max_tokens=None, max_completion_tokens=engine.pool.size))
+    status, text = post_text(url, long_body("tea", max_tokens=None, max_completion_tokens=engine.pool.size))
     assert status == 400 and json.loads(text)["error"]["param"] == "max_completion_tokens"
     huge = long_body("tea") | {"messages": [{"role": "user", "content": "word " * engine.pool.size}]}
-    status, text = post(url, huge)
+    status, text = post_text(url, huge)
     assert status == 400 and json.loads(text)["error"]["param"] == "messages"
     assert snapshot(engine) == before
-    assert post(url, long_body("tea"))[0] == 200
+    assert post_text(url, long_body("tea"))[0] == 200
 
 
 def test_a_demand_that_fits_later_is_a_503_and_then_served(small: tuple[str, Engine]) -> None:
@@ -179,12 +167,12 @@ def test_a_demand_that_fits_later_is_a_503_and_then_served(small: tuple[str, Eng
     holder = engine.cache.admit(engine.prepare(other).program)  # another request, mid-flight
     try:
         for stream in (False, True):
-            status, text = post(url, long_body("tea", stream=stream))
+            status, text = post_text(url, long_body("tea", stream=stream))
             assert status == 503 and json.loads(text)["error"]["code"] == 503
             assert nothing_held_outside_the_tree(engine, holder)
     finally:
         engine.cache.abort(holder)
-    assert post(url, long_body("tea"))[0] == 200
+    assert post_text(url, long_body("tea"))[0] == 200
     assert nothing_held_outside_the_tree(engine)
 
 
@@ -223,7 +211,7 @@ def test_a_pool_just_big_enough_for_a_cold_start_serves_the_warm_request(tiny_mo
     server = ReferenceServer(engine)
     server.start_in_background()
     try:
-        replies = [post(server.url, payload) for payload in payloads]
+        replies = [post_text(server.url, payload) for payload in payloads]
     finally:
         server.shutdown()
         server.server_close()

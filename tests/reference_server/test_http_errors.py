@@ -12,6 +12,7 @@ import pytest
 
 from akv.agent.errors import ContextLengthError, HTTPStatusError
 from akv.agent import send_chat_request
+import http_client
 
 MODEL = "tiny-test"
 CALL = {"id": "c1", "type": "function", "function": {"name": "read_record", "arguments": '{"record_id": "A"}'}}
@@ -27,14 +28,7 @@ def good_body(**extra: Any) -> dict[str, Any]:
 
 
 def post(url: str, body: Any, *, raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_client.post(url, raw if raw is not None else body, timeout=60)
 
 
 def get(url: str, path: str) -> tuple[int, dict[str, Any]]:

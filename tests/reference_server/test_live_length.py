@@ -5,9 +5,6 @@ live length (its whole text, counted by hand from the render). Nothing stays hel
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from akv.system.reference_server import Engine, ReferenceServer
 from akv.system.reference_server.model_dir import load_model_dir
 
 from .test_exactness import TOOLS, TOOLS_AS_RENDERED, _call, _record
+import http_client
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-live"
@@ -74,13 +72,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Engi
 def post(url: str, n_messages: int, **extra: Any) -> tuple[int, dict[str, Any]]:
     body = {"model": MODEL, "messages": MESSAGES[:n_messages], "tools": TOOLS, "max_tokens": MAX_TOKENS,
             "logprobs": True, "top_logprobs": 1, **extra}
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return http_client.post(url, body, timeout=300)
 
 
 def test_the_text_is_4x_the_context_and_the_live_length_fits(served: tuple) -> None:

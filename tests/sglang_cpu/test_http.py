@@ -23,6 +23,7 @@ import pytest
 from akv.system.reference_server import Engine, ReferenceServer
 
 from .conftest import HERE, ROOT, STRICT
+from http_client import post_text
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +51,9 @@ def _free_port() -> int:
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            text = response.read().decode()
-            status = response.status
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read().decode())
+    status, text = post_text(url, body, timeout=600)
+    if status != 200:
+        return status, json.loads(text)
     if body.get("stream"):
         events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
         content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
@@ -127,7 +123,7 @@ def test_usage_equals_the_reference_servers(served_turns: list) -> None:
         assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], name
         if name != "plain":
             details = got["usage"]["prompt_tokens_details"]
-            assert set(details) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens"}, name
+            assert set(details) == {"cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens"}, name
             assert details == want["usage"]["prompt_tokens_details"], name
     streamed = dict((n, g) for n, g, _ in served_turns)["drop-and-repos-streamed"]
     assert streamed["usage"]["prompt_tokens_details"]["repos_tokens"] == 0, "the repeat reads re-rotated KV as cached"

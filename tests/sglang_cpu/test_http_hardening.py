@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -20,6 +18,7 @@ import pytest
 from akv.system.models.tiny import make_tiny_model
 
 from .test_http import MESSAGES, post, reference_url, sglang_url  # noqa: F401  (module-scoped servers)
+import http_client
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +34,6 @@ INTERNALS = ("Traceback", "NoneType", "range()", "TextEncodeInput", "Error(", "o
 CALL_WITHOUT_NAME = [*MESSAGES[:2], {"role": "assistant", "content": None, "tool_calls": [
     {"id": "c1", "type": "function", "function": {"arguments": "{}"}}]},
     {"role": "tool", "tool_call_id": "c1", "content": "done"}]
-
-
-def post_raw(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=data,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def body(**fields: Any) -> bytes:
@@ -76,7 +65,7 @@ BAD = [
 
 @pytest.mark.parametrize(("data", "param", "needle"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_requests_are_a_400_naming_the_field(sglang_url: str, data: bytes, param: str, needle: str) -> None:
-    status, error = post_raw(sglang_url, data)
+    status, error = http_client.post(sglang_url, data)
     assert status == 400, error
     assert error["param"] == param and needle in error["message"], error
     assert not any(marker in error["message"] for marker in INTERNALS), error
@@ -119,7 +108,7 @@ def test_a_body_cut_short_is_a_400(sglang_url: str) -> None:
 
 
 def test_plain_requests_keep_n_above_1(sglang_url: str) -> None:
-    status, reply = post_raw(sglang_url, body(n=2, temperature=0.0, seed=7))
+    status, reply = http_client.post(sglang_url, body(n=2, temperature=0.0, seed=7))
     assert status == 200 and len(reply["choices"]) == 2, reply
 
 
@@ -142,5 +131,5 @@ def test_the_second_turn_reuses_the_same_kv_on_both_servers(sglang_url: str, ref
 
 
 def test_the_server_still_serves_after_the_bad_requests(sglang_url: str) -> None:
-    status, reply = post_raw(sglang_url, body(temperature=0.0, drop_message={"4": [3]}, reposition=[4]))
+    status, reply = http_client.post(sglang_url, body(temperature=0.0, drop_message={"4": [3]}, reposition=[4]))
     assert status == 200 and reply["usage"]["prompt_tokens_details"]["drop_skipped_tokens"] > 0, reply

@@ -88,7 +88,7 @@ def results(stock_site: Path, patched_site: Path) -> dict[str, dict]:
         "requests": PLAIN + [_context_body(d, r) for d, r in CONTEXT_OK]
         + [_context_body(d, r) for d, r, _ in CONTEXT_BAD]
         + [{"messages": CONVERSATION, **fields} for fields, _ in MISSPELT],
-        "details": details + [{"cached_tokens": 4, "repos_tokens": 6, "drop_skipped_tokens": 0},
+        "details": details + [{"cached_tokens": 4, "repos_tokens": 6, "drop_skipped_tokens": 0, "computed_tokens": 3},
                               {"cached_tokens": 1, "repos_tokens": None, "drop_skipped_tokens": 9}],
     }
     return {"stock": run_probe(stock_site, {"requests": PLAIN, "details": details}),
@@ -114,7 +114,8 @@ def test_plain_requests_parse_exactly_as_stock(results: dict[str, dict]) -> None
 def test_usage_serializes_as_stock_and_adds_only_set_counters(results: dict[str, dict]) -> None:
     stock, patched = results["stock"]["details"], results["patched"]["details"]
     assert patched[: len(stock)] == stock
-    assert '"prompt_tokens_details":{"cached_tokens":4,"repos_tokens":6,"drop_skipped_tokens":0}' in patched[3]
+    assert ('"prompt_tokens_details":{"cached_tokens":4,"repos_tokens":6,"drop_skipped_tokens":0,'
+            '"computed_tokens":3}') in patched[3]
     assert '"prompt_tokens_details":{"cached_tokens":1,"drop_skipped_tokens":9}' in patched[4]
 
 

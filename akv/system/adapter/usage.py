@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-KEYS = ("cached_tokens", "repos_tokens", "drop_skipped_tokens")
+KEYS = ("cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens")
 
 
 def cached_tokens_details(req: Any) -> dict[str, int] | None:

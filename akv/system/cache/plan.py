@@ -128,18 +128,21 @@ class Usage:
     ``cached_tokens``: tokens whose resident KV was read only at the position it was stored for;
     ``repos_tokens``: tokens whose resident KV was read through a re-rotated copy;
     ``drop_skipped_tokens``: prompt tokens a Drop hides from the queries after it (counted whether
-    this request computed them before the Drop or reused them).
+    this request computed them before the Drop or reused them);
+    ``computed_tokens``: prompt tokens whose KV this request computed (the prefill it actually ran).
     """
 
     cached_tokens: int
     repos_tokens: int
     drop_skipped_tokens: int
+    computed_tokens: int
 
     def as_dict(self) -> dict[str, int]:
         return {
             "cached_tokens": self.cached_tokens,
             "repos_tokens": self.repos_tokens,
             "drop_skipped_tokens": self.drop_skipped_tokens,
+            "computed_tokens": self.computed_tokens,
         }
 
 

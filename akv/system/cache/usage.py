@@ -12,7 +12,7 @@ def count_usage(n_prompt: int, resident: np.ndarray, computed: np.ndarray, read:
     """Counts over prompt tokens. ``resident``: KV came from the tree (not recomputed); ``read``: some
     query or generation reads it; ``rerotated``: at least one read went through a re-rotated copy;
     ``dropped``: a Drop hides it, so every query after that Drop (generation's at least) skips it,
-    whether this request computed it first or not."""
+    whether this request computed it first or not; ``computed``: this request computes its KV."""
     masks = (("resident", resident), ("computed", computed), ("read", read), ("rerotated", rerotated),
              ("dropped", dropped))
     for name, mask in masks:
@@ -25,4 +25,5 @@ def count_usage(n_prompt: int, resident: np.ndarray, computed: np.ndarray, read:
         cached_tokens=int((reused & ~rerotated).sum()),
         repos_tokens=int((reused & rerotated).sum()),
         drop_skipped_tokens=int(dropped[:n_prompt].sum()),
+        computed_tokens=int(computed.sum()),
     )

@@ -228,7 +228,8 @@ class Engine:
             text=text,
             steps=tuple(steps),
             finish_reason=finish,
-            usage=PromptUsage(program.n_prompt, usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens),
+            usage=PromptUsage(program.n_prompt, usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens,
+                              usage.computed_tokens),
         )
 
     def _admit_when_free(self, program: ContextProgram, n_decode: int) -> tuple[ActiveRequest, np.ndarray]:

@@ -34,6 +34,7 @@ class PromptUsage:
     cached_tokens: int
     repos_tokens: int
     drop_skipped_tokens: int
+    computed_tokens: int
 
 
 def usage_body(prompt: PromptUsage, completion_tokens: int) -> dict[str, Any]:
@@ -45,6 +46,7 @@ def usage_body(prompt: PromptUsage, completion_tokens: int) -> dict[str, Any]:
             "cached_tokens": prompt.cached_tokens,
             "repos_tokens": prompt.repos_tokens,
             "drop_skipped_tokens": prompt.drop_skipped_tokens,
+            "computed_tokens": prompt.computed_tokens,
         },
     }
 
