@@ -91,13 +91,14 @@ def expected_usage(waves: list[list[Request]], report: dict, *, cold: bool = Fal
 
 
 def reported_usage(request: Request, result: dict[str, Any]) -> dict[str, int]:
-    if request.program is None:
+    if request.program is None:  # stock usage: a plain request computed every prompt token it did not read
         assert result["details"] is None or "repos_tokens" not in result["details"]
-        return {"cached_tokens": result["cached_tokens"], "repos_tokens": 0, "drop_skipped_tokens": 0}
+        return {"cached_tokens": result["cached_tokens"], "repos_tokens": 0, "drop_skipped_tokens": 0,
+                "computed_tokens": len(request.ids) - result["cached_tokens"]}
     details = result["details"]
     assert details is not None, f"{request.rid}: a context request must report its usage"
     assert details["cached_tokens"] == result["cached_tokens"] == details["device"]
-    return {key: details[key] for key in ("cached_tokens", "repos_tokens", "drop_skipped_tokens")}
+    return {key: details[key] for key in ("cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens")}
 
 
 def assert_pool_back(report: dict) -> None:
