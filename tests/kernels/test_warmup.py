@@ -4,10 +4,13 @@ and the launch watcher counts a specialization's first launch only."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from akv.system.adapter import warmup
+from akv.system.adapter.copy_executor import CopyBatch, CopyExecutor
 from akv.system.kernels import rerotate
 from akv.system.kernels.layer_buffers import LayerBuffers
 from akv.system.kernels.rerotate import RerotateLaunch, rerotate_kv
@@ -59,4 +62,39 @@ def test_context_bodies_drop_before_their_anchor_and_reposition_there():
         last = len(body["messages"]) - 1
         assert body["reposition"] == [last]
         assert all(m < int(anchor) <= last for anchor, ms in body["drop_message"].items() for m in ms)
-    assert len(bodies[2]["drop_message"]) == 2  # the cold request runs in several rounds
+    assert len(bodies[2]["drop_message"]) == 2  # the cold request's prefill has several segments
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Stands in for SGLang's unscaled RoPE module (what the copy executor reads of it)."""
+
+    def __init__(self, head_dim: int, device: torch.device) -> None:
+        super().__init__()
+        self.base, self.head_size, self.rotary_dim, self.is_neox_style = 10000.0, head_dim, head_dim, True
+        self.cos_sin_cache = RopeTable.build(RopeSpec(theta=10000.0, head_dim=head_dim, rotary_dim=head_dim,
+                                                      neox=True), 512, device).table
+
+
+def test_after_warm_up_no_copy_of_a_decode_step_or_an_extend_layer_is_a_first_launch(device):
+    """A decode step's copies run over every layer at once, an extend forward's per layer: the
+    warm-up launches both, so neither compiles while serving, whatever the copy count."""
+    layers, slots, heads, head_dim = 3, 300, 2, 16
+    pool = SimpleNamespace(k_buffer=[torch.zeros(slots, heads, head_dim, device=device) for _ in range(layers)],
+                           v_buffer=[torch.zeros(slots, heads, head_dim, device=device) for _ in range(layers)])
+    model = torch.nn.Sequential(torch.nn.Module())
+    model[0].rotary_emb = RotaryEmbedding(head_dim, device)
+    runner = SimpleNamespace(server_args=SimpleNamespace(radix_cache_backend="akv"), token_to_kv_pool=pool, model=model)
+    shapes = warmup.LaunchShapes()
+    rerotate._rerotate_kernel.pre_run_hooks.append(hook := shapes._hook("rerotate"))
+    try:
+        assert warmup.warm_kernels(runner) > 0
+        warm = shapes.first_launches
+        executor = CopyExecutor(runner)
+        for n in (1, 2, 15, 16, 17, 64, 200, slots - 1):
+            src = torch.arange(n, dtype=torch.int64, device=device)
+            copies = CopyBatch(src, src, src * 0, src * 0 + 1)
+            executor.run(copies)
+            executor.run_layer(layers - 1, copies)
+        assert shapes.first_launches == warm
+    finally:
+        rerotate._rerotate_kernel.pre_run_hooks.remove(hook)

@@ -4,8 +4,8 @@ FlashInfer itself is CUDA-only, so :mod:`akv.system.adapter.flashinfer_lists` ru
 stand-in wrappers that record what they are planned with, for the very forward batches the triton
 backend serves (whose lists the oracle checks end to end). For each batch the FlashInfer lists must
 equal the triton backend's: decode the same visible columns, eagerly and into a padded CUDA-graph
-buffer; extend the visible prefix followed by the round's own slots, with the query segments and
-the host-side counts FlashInfer's plan reads.
+buffer; extend each entry's visible prefix followed by its own slots (the forward's new slots, in
+query order), with query segments that cut every request's queries.
 """
 
 from __future__ import annotations
@@ -100,22 +100,20 @@ def _check_decode(fb: Any, req_to_token: torch.Tensor, expected: list[list[int]]
 
 def _check_extend(fb: Any, req_to_token: torch.Tensor, prefixes: list[list[int]]) -> None:
     STATS["extend"] += 1
-    bs = len(prefixes)
-    backend = _backend(req_to_token, bs)
+    n = len(prefixes)
+    backend = _backend(req_to_token, n)
     flashinfer_lists.plan_extend(backend, fb)
     qo_indptr, kv_indptr, kv_indices, last_page_len, *_ = backend.prefill_wrappers_paged[0].planned
-    extend_lens = fb.extend_seq_lens_cpu
-    expected_qo = [0]
-    for n in extend_lens:
-        expected_qo.append(expected_qo[-1] + int(n))
-    if qo_indptr.tolist() != expected_qo:
-        _mismatch("extend", "qo_indptr", qo_indptr.tolist(), expected_qo)
-    own = []
-    for i in range(bs):
-        row, lo = int(fb.req_pool_indices[i]), int(fb.extend_prefix_lens[i])
-        own.append(req_to_token[row, lo : lo + int(extend_lens[i])].tolist())
+    bounds = qo_indptr.tolist()
+    request_bounds = [0]
+    for m in fb.extend_seq_lens_cpu:
+        request_bounds.append(request_bounds[-1] + int(m))
+    if len(bounds) != n + 1 or not set(request_bounds) <= set(bounds) or bounds != sorted(set(bounds)):
+        _mismatch("extend", "qo_indptr (entries must cut the requests' queries)", bounds, request_bounds)
+        return
+    own = [fb.out_cache_loc[bounds[i] : bounds[i + 1]].tolist() for i in range(n)]
     expected = [p + o for p, o in zip(prefixes, own)]
     if _split(kv_indptr, kv_indices) != expected:
         _mismatch("extend", "paged lists", _split(kv_indptr, kv_indices), expected)
-    if int(kv_indices.numel()) != sum(map(len, expected)) or last_page_len.tolist() != [1] * bs:
+    if int(kv_indices.numel()) != sum(map(len, expected)) or last_page_len.tolist() != [1] * n:
         _mismatch("extend", "sizes", (kv_indices.numel(), last_page_len.tolist()), sum(map(len, expected)))

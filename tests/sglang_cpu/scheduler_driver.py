@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -146,6 +148,25 @@ class Audit:
             self.counts["frees"] += 1
 
 
+class PrefillLog(logging.Handler):
+    """The AKV prefill lines the scheduler logs at DEBUG (one per release of a context request), as
+    ``{"rid": ..., field: number}``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[dict[str, Any]] = []
+        logger = logging.getLogger("akv.system.adapter.metrics")
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.match(r"AKV prefill (\S+): (.*)", record.getMessage())
+        if found:
+            fields = dict(re.findall(r"(\w+)=([\d.]+)", found.group(2)))
+            self.lines.append({"rid": found.group(1), **{k: float(v) for k, v in fields.items()}})
+
+
 class _WholeWaves:
     """SGLang's request receiver, whose ``recv_requests`` waits while the driver sends a wave."""
 
@@ -186,11 +207,13 @@ class Driver:
         self.logits: dict[str, dict[int, list[float]]] = {}
         self.batches: list[list[str]] = []
         self.tokens: list[list[int]] = []
+        self.extends: list[bool] = []
         self.prompt_len: dict[str, int] = {}
         self._record_logits()
         self.arriving = threading.Lock()
         self._receive_whole_waves()
         self.audit = Audit(self.scheduler) if audit else None
+        self.prefill_log = PrefillLog()
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -218,6 +241,7 @@ class Driver:
                 driver.batches.append(list(forward_batch.rids))
                 extend = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
                 driver.tokens.append(list(extend) if extend is not None else [1] * len(forward_batch.rids))
+                driver.extends.append(extend is not None)
             logits = getattr(out.logits_output, "next_token_logits", None)
             if logits is not None and forward_batch.rids is not None:
                 seq_lens = forward_batch.seq_lens_cpu.tolist()
@@ -352,6 +376,8 @@ def main() -> None:
     report["results"] = driver.results()
     report["batches"] = driver.batches
     report["tokens"] = driver.tokens
+    report["extends"] = driver.extends
+    report["prefills"] = driver.prefill_log.lines
     if job.get("flashinfer_probe"):
         report["flashinfer_probe"] = flashinfer_probe.report()
     report["audit"] = None if driver.audit is None else driver.audit.counts

@@ -91,13 +91,14 @@ def expected_usage(waves: list[list[Request]], report: dict, *, cold: bool = Fal
 
 
 def reported_usage(request: Request, result: dict[str, Any]) -> dict[str, int]:
-    if request.program is None:
+    if request.program is None:  # stock usage: a plain request computed every prompt token it did not read
         assert result["details"] is None or "repos_tokens" not in result["details"]
-        return {"cached_tokens": result["cached_tokens"], "repos_tokens": 0, "drop_skipped_tokens": 0}
+        return {"cached_tokens": result["cached_tokens"], "repos_tokens": 0, "drop_skipped_tokens": 0,
+                "computed_tokens": len(request.ids) - result["cached_tokens"]}
     details = result["details"]
     assert details is not None, f"{request.rid}: a context request must report its usage"
     assert details["cached_tokens"] == result["cached_tokens"] == details["device"]
-    return {key: details[key] for key in ("cached_tokens", "repos_tokens", "drop_skipped_tokens")}
+    return {key: details[key] for key in ("cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens")}
 
 
 def assert_pool_back(report: dict) -> None:
@@ -142,6 +143,30 @@ def test_context_and_plain_requests_share_batches(matrix_run: tuple[list, dict])
     assert mixed, "the concurrent wave never put a context and a plain request in one forward"
 
 
+def assert_prefill_log(waves: list[list[Request]], report: dict) -> None:
+    """Each context request's prefill log lines (one per release) count the extend forwards that
+    carried it, as the driver saw the model runner called; each timed forward took device time, and
+    the copies inside a forward took less than it. Plain requests log nothing."""
+    lines: dict[str, list[dict]] = {}
+    for line in report["prefills"]:
+        lines.setdefault(line["rid"], []).append(line)
+    for request in (r for wave in waves for r in wave):
+        mine = lines.pop(request.rid, [])
+        if request.program is None:
+            assert not mine, request.rid
+            continue
+        assert sum(line["forwards"] for line in mine) == prefill_forwards(report, request.rid), (request.rid, mine)
+        for line in mine:
+            assert line["forward_ms"] > 0 and line["host_ms"] > 0 and line["wait_ms"] >= 0, line
+            assert line["copy_ms"] < line["forward_ms"], line
+            assert line["copy_ms"] > 0 or not line["copy_slots"], line
+    assert not lines, lines
+
+
+def test_matrix_prefill_log_counts_each_requests_forwards(matrix_run: tuple[list, dict]) -> None:
+    assert_prefill_log(*matrix_run)
+
+
 def test_forced_retraction_readmits_exactly(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     waves = scenarios.retraction_waves()
     report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=8, env={"SGLANG_TEST_RETRACT": "1"})
@@ -151,6 +176,7 @@ def test_forced_retraction_readmits_exactly(patched_site: Path, tiny_qwen3: Path
     for request in waves[0]:
         assert_exact(oracle_model, request, results[request.rid])
         assert reported_usage(request, results[request.rid]) == expected[request.rid], "usage is the first admission's"
+    assert_prefill_log(waves, report)
     assert_pool_back(report)
 
 
@@ -247,24 +273,34 @@ def test_plain_requests_join_the_rounds_of_a_multi_segment_request(
     assert_pool_back(report)
 
 
+def prefill_forwards(report: dict, rid: str) -> int:
+    """Extend forwards that carried ``rid`` (as the driver saw the model runner called)."""
+    return sum(rid in batch and extend for batch, extend in zip(report["batches"], report["extends"]))
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_multi_segment_requests_run_their_rounds_side_by_side(
+def test_multi_segment_requests_prefill_in_one_forward(
         patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel, overlap: bool) -> None:
-    """Five context requests with two or five segments each, sent together: one forward carries
-    all five (SGLang's single chunked request would carry one multi-round request at a time), each
-    takes its rounds in consecutive forwards, each equals the oracle, and the one aborted
-    mid-prefill releases everything."""
+    """Five context requests with two or five segments each, sent together, all within one chunk of
+    256: one forward carries all five, each prefills in that one forward (its segments side by side,
+    each attending to its own visible KV), each equals the oracle, and the one aborted after that
+    forward releases everything."""
     waves = scenarios.parallel_rounds_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, overlap=overlap)
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=256, overlap=overlap)
     rids = [r.rid for r in waves[1]]
     assert any(set(rids) <= set(b) for b in report["batches"]), report["batches"]
-    carried = {rid: [i for i, b in enumerate(report["batches"]) if rid in b] for rid in rids}
-    for rid, n in zip(rids, (2, 2, 2, 5)):
-        first = carried[rid][0]
-        assert carried[rid][:n] == list(range(first, first + n)), (rid, carried[rid])
-    assert len(carried["rounds-cold-aborted"]) < 5, carried  # left before its last (fifth) round
+    core = CacheCore(SlotPool(1 << 16))  # the tree the second wave meets: the warm turns' first turns
+    for request in waves[0]:
+        generated = np.array(report["results"][request.rid]["ids"][:-1], dtype=np.int64)
+        core.finish(core.admit(_program(request)), generated, core.allocate(generated.size))
+    for request in waves[1]:
+        assert len(core.match(request.program).plan.plan.segments) >= 2, request.rid
+        assert prefill_forwards(report, request.rid) == 1, (request.rid, report["batches"])
+    assert_prefill_log(waves, report)
+    for line in report["prefills"]:
+        if line["rid"] in rids:
+            assert line["rounds_ms"] == 0, line  # one forward: no scheduling step between rounds
     assert report["results"]["rounds-cold-aborted"]["finished"]["type"] == "abort"
-    assert report["results"]["rounds-cold-aborted"]["ids"] == []
     for request in waves[0] + waves[1][:-1]:
         assert_exact(oracle_model, request, report["results"][request.rid])
     assert_pool_back(report)

@@ -1,6 +1,6 @@
 """The scheduler-side hooks (``akv.system.adapter.scheduling``) on stand-in requests: which context
-requests are refused up front with a 400 message naming the field, and how rounds stop at segment
-ends. (SGLang's real scheduler drives the same hooks in tests/sglang_cpu.)"""
+requests are refused up front with a 400 message naming the field, and where rounds stop (before
+reused columns, not at segment ends). (SGLang's real scheduler drives the same hooks in tests/sglang_cpu.)"""
 
 from __future__ import annotations
 
@@ -83,21 +83,62 @@ def test_kv_that_can_never_fit_is_refused_with_the_exact_cold_need() -> None:
     assert attach(req, recv, SERVER, pool_size=need + 2) is None
 
 
-def test_rounds_stop_at_segment_ends_and_continue_beside_the_chunked_slot() -> None:
+def test_contiguous_segments_run_in_one_round() -> None:
+    """A cold turn whose drop and reposition cut it into two segments: one round (one forward) covers
+    both, and it joins a batch only where the chunk budget left holds all of its columns."""
     prog = program([4, 4, 4, 2], {"2": [0]}, [2])
     req, recv = request(prog)
     attach(req, recv, SERVER, pool_size=1000)
     state = req.akv
+    state.plan_draft(CacheCore(SlotPool(1000)))
+    assert len(state.plan_draft_segments()) == 2
+    _fill(req, prog, 0)
+    assert not cap_extend(req) and req.extend_range.end == prog.n_tokens
+    assert not must_wait(SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=prog.n_tokens), req,
+                         has_chunked_req=True)
+    assert must_wait(SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=prog.n_tokens - 1), req,
+                     has_chunked_req=True)
+
+
+def _fill(req: SimpleNamespace, prog, start: int) -> None:
+    req.full_untruncated_fill_ids = list(prog.token_ids)
+    req.prefix_indices = np.zeros(start, dtype=np.int64)
+    req.set_extend_range = lambda lo, hi: setattr(req, "extend_range", SimpleNamespace(start=lo, end=hi))
+    req.set_extend_range(start, prog.n_tokens)
+
+
+def _evicted_turn() -> tuple[CacheCore, object]:
+    """A conversation's fourth turn after the tree evicted part of its history: its plan recomputes the
+    evicted columns, reuses resident ones after them, then computes its new messages (three segments)."""
+    conv = Conversation(108).add(8, 8, 8, 5).reposition()
+    turns = [conv.request("t0").program]
+    conv.add(7, 8).reposition()
+    turns.append(conv.request("t1").program)
+    conv.add(7, 6).drop(0)
+    turns.append(conv.request("t2").program)
+    conv.add(4, 9).drop(2).reposition()
+    last = conv.request("t3").program
     core = CacheCore(SlotPool(1000))
+    for prog in turns:
+        core.finish(core.admit(prog))
+    for _ in range(2):  # the turn waits while the tree evicts: each draft refreshes the KV it borrows
+        core.match(last)
+        core.tree.evict(7)
+    return core, last
+
+
+def test_rounds_stop_before_reused_columns_and_continue_beside_the_chunked_slot() -> None:
+    core, prog = _evicted_turn()
+    req, recv = request(prog)
+    attach(req, recv, SERVER, pool_size=1000)
+    state = req.akv
     state.plan_draft(core)
     segments = state.plan_draft_segments()
-    assert len(segments) == 2 and state.needs_rounds()
-    req.full_untruncated_fill_ids = list(prog.token_ids)
-    req.set_extend_range = lambda lo, hi: setattr(req, "extend_range", SimpleNamespace(start=lo, end=hi))
-    req.set_extend_range(0, prog.n_tokens)
-    assert cap_extend(req) and req.extend_range.end == segments[0].end
-    req.prefix_indices = []
-    first = segments[0].end - segments[0].start
+    gap = next(i for i in range(len(segments) - 1) if segments[i].end < segments[i + 1].start)
+    assert gap + 2 < len(segments), "the case in point: reused columns, then more than one segment"
+    _fill(req, prog, segments[0].start)
+    assert cap_extend(req) and req.extend_range.end == segments[gap].end
+    first = segments[gap].end - segments[0].start
     idle = SimpleNamespace(new_chunked_req=None, can_run_list=[], rem_chunk_tokens=64, akv_new_rounds=[])
     assert not must_wait(idle, req, has_chunked_req=False)
     hold_rounds(idle, req, has_chunked_req=False)
@@ -136,20 +177,7 @@ def test_admission_counts_the_slots_a_request_takes_not_the_columns_it_borrows()
     SGLang counts every column after the matched prefix, and the lock holds the borrowed slots too, so
     without the correction a request that fits would be counted twice over what it borrows (and on an
     idle server could wait forever). Admission's count equals the fresh slots the cache core takes."""
-    conv = Conversation(108).add(8, 8, 8, 5).reposition()
-    turns = [conv.request("t0").program]
-    conv.add(7, 8).reposition()
-    turns.append(conv.request("t1").program)
-    conv.add(7, 6).drop(0)
-    turns.append(conv.request("t2").program)
-    conv.add(4, 9).drop(2).reposition()
-    last = conv.request("t3").program
-    core = CacheCore(SlotPool(1000))
-    for prog in turns:
-        core.finish(core.admit(prog))
-    for _ in range(2):  # the turn waits while the tree evicts: each draft refreshes the KV it borrows
-        core.match(last)
-        core.tree.evict(7)
+    core, last = _evicted_turn()
     req, recv = request(last)
     attach(req, recv, SERVER, pool_size=1000)
     draft = req.akv.plan_draft(core)
@@ -194,3 +222,24 @@ def test_a_draft_that_would_hold_more_than_the_room_left_is_planned_cold() -> No
     assert state.plan_draft(core, room=cold).plan.plan.usage.cached_tokens == 0  # nothing reused
     roomy = AkvRequest(last)
     assert holds(roomy.plan_draft(core, room=holds(warm))) == holds(warm)
+
+
+def test_a_round_stops_before_a_segment_whose_copies_reuse_a_slot_the_round_reads() -> None:
+    """The plan recycles a copy slot once its last reader ran; in one forward every copy runs before
+    attention, so the segment that writes such a slot again starts the next round."""
+    conv = Conversation(70).add(12, 12)
+    for t in range(4):
+        conv.add(12, 12).drop(2 * t)
+        if t % 2 == 1:
+            conv.reposition()
+    prog = conv.request("recycling").program
+    req, recv = request(prog)
+    attach(req, recv, SERVER, pool_size=1000)
+    req.akv.plan_draft(CacheCore(SlotPool(1000)))
+    segments = req.akv.plan_draft_segments()
+    assert all(a.end == b.start for a, b in zip(segments, segments[1:])), "contiguous (cold)"
+    last = segments[-1]
+    read_before = np.concatenate([s.prefix_slots for s in segments[:-1]])
+    assert np.isin(last.copies.dst, read_before).any(), "the case in point: the last segment recycles a copy slot"
+    _fill(req, prog, 0)
+    assert cap_extend(req) and req.extend_range.end == last.start

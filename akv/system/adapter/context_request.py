@@ -1,10 +1,11 @@
 """One context request's AKV state inside SGLang's scheduler (held as ``Req.akv``).
 
-SGLang sees the request as its program's tokens, one ``req_to_token`` column per token. Segments of
-the plan are chunked-prefill rounds: a round over columns ``[lo, hi)`` of segment ``s`` gets, as its
-prefix, the slots ``s`` reads for the columns before ``lo`` (zeros where nothing is visible, so the
-row always holds what the running round reads) and writes its births into ``[lo, hi)``. Generation
-reads the terminal view, written into the row once before the first decode step.
+SGLang sees the request as its program's tokens, one ``req_to_token`` column per token. A
+chunked-prefill round over columns ``[lo, hi)`` may cover several contiguous segments (each its own
+attention entry, :mod:`akv.system.adapter.batch_metadata`); it gets, as its prefix, the slots its
+first segment ``s`` reads for the columns before ``lo`` (zeros where nothing is visible) and writes
+its births into ``[lo, hi)``. Generation reads the terminal view, written into the row once before
+the first decode step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import numpy as np
 
+from akv.system.adapter.prefill_timing import PrefillStats
 from akv.system.adapter.window_lists import segment_round_end
 from akv.system.cache.core import ActiveRequest, CacheCore, Draft
 from akv.system.cache.occurrence import resolve_births
@@ -48,6 +50,7 @@ class AkvRequest:
         self._kept: tuple[ContextProgram, int] | None = None
         self.window: int | None = None  # the model's sliding window, set by the radix cache
         self.admission_s = 0.0  # host seconds spent matching, planning, locking and committing
+        self.prefill = PrefillStats()  # where its prefill's time went (reported and reset when released)
 
     # ---- planning -------------------------------------------------------------------------------
 
@@ -78,15 +81,6 @@ class AkvRequest:
     def plan_draft_segments(self) -> tuple[Segment, ...]:
         assert self.draft is not None
         return self.draft.plan.plan.segments
-
-    def needs_rounds(self) -> bool:
-        """More than one scheduler round (segment, or an early end for the sliding window) even
-        without a chunk-size limit."""
-        if self.draft is None:
-            return False
-        segments = self.plan_draft_segments()
-        first = segments[0]
-        return len(segments) > 1 or self.round_end(first, first.start, first.end) < first.end
 
     def round_end(self, segment: Segment, lo: int, hi: int) -> int:
         """End of a round of ``segment`` from column ``lo``, at most ``hi``: where SGLang's sliding-window

@@ -3,8 +3,9 @@
 At page size 1 FlashInfer's paged KV is SGLang's ``kv_indptr`` / ``kv_indices`` pair, so each entry
 gets the visible slots the triton backend reads (:mod:`akv.system.adapter.batch_metadata`):
 decode lists every visible column (written into the captured wrapper's own buffers under CUDA
-graphs); extend uses paged prefill over the visible prefix followed by the round's own keys, whose
-causal mask FlashInfer aligns to the end of each list. Sizes come from the host counts, so no plan
+graphs); extend uses paged prefill with one query segment per attention entry (a plain request, or
+one segment's part of a context request's round), each over its visible prefix followed by its own
+keys, whose causal mask FlashInfer aligns to the end of each list. Sizes come from the host counts, so no plan
 reads the device back. Context batches need a single-wrapper FlashInfer backend (no sliding-window
 or cross-attention wrappers).
 """
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from akv.system.adapter.batch_metadata import AkvForward
-from akv.system.kernels import VisibleUntil, decode_kv_indices, extend_kv_indices
+from akv.system.kernels import VisibleUntil, decode_kv_indices
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,14 @@ def decode_inputs(backend: Any, forward_batch: Any, wrappers: list[Any], spec_in
 
 
 def plan_extend(backend: Any, forward_batch: Any) -> None:
-    """Plan the paged prefill wrapper over each round's visible prefix and its own keys."""
-    akv: AkvForward = forward_batch.akv
+    """Plan the paged prefill wrapper over each entry's visible prefix and its own keys
+    (:class:`akv.system.adapter.batch_metadata.ExtendEntries`)."""
+    entries = forward_batch.akv.entries
     updater = backend.indices_updater_prefill
-    req_to_token = updater.req_to_token
-    extend_lens = forward_batch.extend_seq_lens
-    total = int(akv.visible_prefix.sum()) + int(sum(forward_batch.extend_seq_lens_cpu))
-    out = torch.empty(total, dtype=torch.int32, device=req_to_token.device)
-    meta = extend_kv_indices(req_to_token, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
-                             extend_lens, akv.visibility, include_extend=True, out=out, validate=False)
-    bs = int(forward_batch.batch_size)
+    kv_indptr, kv_indices = entries.kv_lists(updater.req_to_token, include_own=True, dtype=torch.int32)
+    last_page_len = torch.ones(entries.rows.size, dtype=torch.int32, device=kv_indices.device)
     backend.prefill_wrappers_paged[0].begin_forward(
-        meta.qo_indptr, meta.kv.kv_indptr, meta.kv.kv_indices, updater.kv_last_page_len[:bs],
+        entries.qo_indptr, kv_indptr, kv_indices, last_page_len,
         updater.num_qo_heads, updater.num_kv_heads, updater.head_dim, 1,
         q_data_type=updater.q_data_type, kv_data_type=updater.data_type, custom_mask=None, non_blocking=True,
     )

@@ -176,7 +176,7 @@ class AkvRadixCache(BasePrefixCache):
         done = n - state.base.n_tokens
         ids = np.asarray(list(req.output_ids)[done : done + generated.size], dtype=np.int64)
         self.core.pool.adopt(generated)
-        self.metrics.finished(state.admission_s)
+        self.metrics.released(req.rid, state)
         if is_insert and state.active is not None:
             state.release(self.core, ids, generated, publish=True)
         else:

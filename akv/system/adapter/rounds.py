@@ -1,7 +1,10 @@
 """Context requests between prefill rounds outside SGLang's single chunked-request slot.
 
-SGLang keeps one chunked request (``Scheduler.chunked_req``). A context request whose rounds would
-have to wait for that slot continues here instead: between rounds its KV is cached and locked the
+A context request prefills its contiguous segments in one round; it needs more rounds only where its
+plan reuses resident columns between segments (recovery after eviction), where a sliding-window
+model's extend would stop being exact, or where SGLang's chunk budget cuts it. SGLang keeps one
+chunked request (``Scheduler.chunked_req``). A context request whose rounds would have to wait for
+that slot continues here instead: between rounds its KV is cached and locked the
 way the chunked request's is (``stash_chunked_request``), it stays out of the running batch, each
 prefill batch re-adds it right after the chunked request (``PrefillAdder.add_chunked_req``), and
 ``inflight_middle_chunks`` makes the result processor skip it until its last round. Aborts and

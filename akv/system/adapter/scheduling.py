@@ -1,10 +1,14 @@
-"""Scheduler hooks: the program reaches ``Req``, rounds stop at segment ends, a context request
-continues its rounds in or beside SGLang's chunked-request slot, admission reserves copy slots and the
-rounds left of requests between rounds."""
+"""Scheduler hooks: the program reaches ``Req``; a context request's prefill round runs every segment
+of a contiguous run of them in one forward (SGLang's chunk budget still cuts it), and stops only where
+the next segment starts after a gap of reused columns or, on a sliding-window model, at a segment's
+end; a request with more rounds continues in or beside SGLang's chunked-request slot; admission
+reserves copy slots and the rounds left of requests between rounds."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from akv.system.adapter import lengths
 from akv.system.adapter.context_request import AkvRequest
@@ -60,8 +64,9 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
 
 
 def cap_extend(req: Any) -> bool:
-    """Stop a context request's round at its segment's end (or earlier, where a sliding-window
-    layer's extend would stop being exact); True when columns remain after it."""
+    """Stop a context request's round where its run of contiguous segments ends, or before a segment
+    whose copies reuse a slot that the run reads (on a sliding-window model: at its segment's end, or
+    earlier where the window's extend would stop being exact); True when columns remain after it."""
     state: AkvRequest | None = req.akv
     if state is None:
         return False
@@ -71,8 +76,22 @@ def cap_extend(req: Any) -> bool:
 
 
 def _round_end(state: AkvRequest, lo: int, hi: int) -> int:
-    segment = state.current(lo) if state.active is not None else state.plan_draft_segments()[0]
-    return state.round_end(segment, lo, hi)
+    segments = state.plan_segments if state.active is not None else state.plan_draft_segments()
+    i = int(np.searchsorted(np.fromiter((s.end for s in segments), np.int64, len(segments)), lo, side="right"))
+    if state.window is not None:
+        return state.round_end(segments[i], lo, hi)
+    end, reads = segments[i].end, [segments[i].prefix_slots]
+    while end < hi and i + 1 < len(segments) and segments[i + 1].start == end and not _recycles(segments[i + 1], reads):
+        i += 1
+        end = segments[i].end
+        reads.append(segments[i].prefix_slots)
+    return min(hi, end)
+
+
+def _recycles(segment: Any, reads: list[np.ndarray]) -> bool:
+    """Whether ``segment``'s copies write a slot that earlier segments of the round read (the plan
+    recycles a copy slot once its last reader ran; in one forward every copy runs before attention)."""
+    return segment.copies.size > 0 and bool(np.isin(segment.copies.dst, np.concatenate(reads)).any())
 
 
 def must_wait(adder: Any, req: Any, has_chunked_req: bool) -> bool:
@@ -91,7 +110,7 @@ def must_wait(adder: Any, req: Any, has_chunked_req: bool) -> bool:
     if budget is None:
         return True
     lo, hi = len(req.prefix_indices), len(req.full_untruncated_fill_ids)
-    end = hi if state is None or not state.needs_rounds() else _round_end(state, lo, hi)
+    end = hi if state is None or state.draft is None else _round_end(state, lo, hi)
     return end - lo > budget
 
 
@@ -129,8 +148,9 @@ def reserve_rounds_left(adder: Any, reqs: list[Any]) -> None:
     """Take from the adder's total budget what the context requests among ``reqs``, continuing their
     prefill after this batch, still need: the columns after their latest round and their new tokens.
     SGLang charges a chunked request one chunk per batch, safe while its chunks fill the chunk budget;
-    a context request's rounds end at segment ends, so others join the batch between them and, without
-    this, take the KV its later rounds need (``alloc_for_extend`` then runs out of memory)."""
+    a context request's rounds also end before gaps of reused columns, so others join the batch
+    between them and, without this, take the KV its later rounds need (``alloc_for_extend`` then runs
+    out of memory)."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
     for req in reqs:

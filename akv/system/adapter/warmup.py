@@ -2,11 +2,12 @@
 costs what later ones do:
 
 - :func:`warm_kernels` (scheduler process, after CUDA graph capture): the re-rotation kernel runs
-  once in every launch shape a copy list can take on this model's KV pool (in-place copies at
-  unchanged positions, which write nothing);
+  once in every launch shape a copy list can take on this model's KV pool, over every layer (a
+  decode step's copies) and over one layer (an extend forward's, run per layer between its KV write
+  and its attention), as in-place copies at unchanged positions, which write nothing;
 - :func:`warm_context_requests` (HTTP server, after SGLang's warm-up request): a short conversation,
   its next turn with a Drop and a Repos (copies, index lists, extend and decode), and a cold request
-  whose Drop splits it into several rounds;
+  whose Drop splits it into several segments (attention entries of one forward);
 - :data:`SHAPES` counts launches of AKV's Triton kernels in a specialization not launched before in
   this process (Triton compiles one kernel per specialization), reported as the metric
   ``sglang:akv_kernel_first_launches_total``.
@@ -23,7 +24,7 @@ import requests
 import torch
 import triton
 
-from akv.system.adapter.copy_executor import CopyExecutor
+from akv.system.adapter.copy_executor import CopyBatch, CopyExecutor
 from akv.system.kernels import kv_indices, rerotate
 from akv.system.kernels.launch_device import check_launchable
 from akv.system.kernels.layer_buffers import LayerBuffers
@@ -104,8 +105,8 @@ def _candidates(k: LayerBuffers, limit: int) -> Iterator[int]:
 
 
 def warm_kernels(model_runner: Any) -> int:
-    """Launch the re-rotation kernel in each of its specializations on ``model_runner``'s KV pool
-    (writing nothing) and watch AKV's kernels from now on; returns the launches made (0 when the
+    """Launch the re-rotation kernel in each of its specializations on ``model_runner``'s KV pool, over
+    all layers and over one (writing nothing), and watch AKV's kernels from now on; returns the launches made (0 when the
     server does not use the AKV cache or the model has no RoPE to re-rotate)."""
     SHAPES.install()
     if getattr(model_runner.server_args, "radix_cache_backend", None) != "akv":
@@ -119,15 +120,20 @@ def warm_kernels(model_runner: Any) -> int:
         logger.info("AKV warm-up: no re-rotation kernel to warm (%s)", exc)
         return 0
     counts = copy_counts(executor.k)
+    per_layer = copy_counts(executor.layer(0)[0])
     device = executor.k.base.device
-    for n in counts:
+    for n in sorted({*counts, *per_layer}):
         slots = torch.arange(1, n + 1, dtype=torch.int64, device=device)
         positions = torch.zeros(n, dtype=torch.int64, device=device)
-        rerotate_kv(executor.k, executor.v, slots, slots, positions, positions, executor.rope, validate=False)
+        if n in counts:
+            rerotate_kv(executor.k, executor.v, slots, slots, positions, positions, executor.rope, validate=False)
+        if n in per_layer:
+            executor.run_layer(0, CopyBatch(slots, slots, positions, positions))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    logger.info("AKV warm-up: re-rotation kernel launched for copy counts %s", counts)
-    return len(counts)
+    logger.info("AKV warm-up: re-rotation kernel launched for copy counts %s (all layers), %s (one layer)",
+                counts, per_layer)
+    return len(counts) + len(per_layer)
 
 
 WARMUP_MESSAGES = [
