@@ -79,8 +79,10 @@ class AkvRequest:
         return self.draft.plan.plan.segments[0].start
 
     def plan_draft_segments(self) -> tuple[Segment, ...]:
+        """The draft's segments, copies named by the slot they will share (rounds are cut where a
+        copy reuses a slot an earlier segment of the round reads)."""
         assert self.draft is not None
-        return self.draft.plan.plan.segments
+        return self.draft.plan.shared_segments()
 
     def round_end(self, segment: Segment, lo: int, hi: int) -> int:
         """End of a round of ``segment`` from column ``lo``, at most ``hi``: where SGLang's sliding-window

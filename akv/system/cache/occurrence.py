@@ -75,6 +75,19 @@ class DraftPlan:
         """Fresh slots the request needs: its births and its copy slots."""
         return self.n_births + self.n_copy_slots
 
+    def shared_segments(self) -> tuple[Segment, ...]:
+        """The segments with each copy named by the slot it will share (``-2 - n_tokens - colors[k]``
+        for version ``k``), so two entries name the same id exactly when they will name the same slot
+        once bound; births and tree slots as they are."""
+        offset = 2 + self.n_tokens
+        recolor = np.append(-offset - self.colors, _EMPTY)
+
+        def colored(a: np.ndarray) -> np.ndarray:
+            copies = a <= -offset
+            return np.where(copies, recolor[np.where(copies, -a - offset, self.colors.size)], a)
+
+        return map_slots(self.plan, colored).segments
+
     def bind_copies(self, copy_slots: np.ndarray, births: np.ndarray | None = None) -> RequestPlan:
         """The plan with copy ids replaced by ``copy_slots`` (real, in order) and, when ``births``
         (one entry per computed token, in order) is given, birth ids by those; otherwise births stay
