@@ -167,7 +167,7 @@ def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.
         assert got.usage.output_tokens == usage["completion_tokens"], n
         assert preview.context_management.original_input_tokens == usage["prompt_tokens"], n
         assert preview.input_tokens == usage["prompt_tokens"] - details["drop_skipped_tokens"], n
-        assert planned == {key: details[key] for key in AKV_COUNTERS}, n
+        assert planned == {"prompt_tokens": usage["prompt_tokens"], **{key: details[key] for key in AKV_COUNTERS}}, n
         assert planned["cached_tokens"] + planned["repos_tokens"] == read, n
         results = sum(b["type"] == "tool_result" for m in anthropic_messages(n) if isinstance(m["content"], list)
                       for b in m["content"])
@@ -189,8 +189,8 @@ def test_dry_runs_leave_the_cache_as_it_was(sglang_url: str, client: anthropic.A
     assert server_info(sglang_url) == kv_before
     assert previews[0] == previews[1] and previews[0]["object"] == "akv.dry_run"
     planned = previews[0]["usage"]["prompt_tokens_details"]
-    assert planned == counted
-    assert planned["cached_tokens"] > 0 and planned["repos_tokens"] > 0 and planned["drop_skipped_tokens"] > 0
+    assert {"prompt_tokens": previews[0]["usage"]["prompt_tokens"], **planned} == counted
+    assert planned["cached_tokens"] > 0 and planned["computed_tokens"] > 0 and planned["drop_skipped_tokens"] > 0
     served = post_ok(sglang_url, {**body, "akv_dry_run": False})["usage"]
     assert served["prompt_tokens_details"] == planned
     assert served["prompt_tokens"] == previews[0]["usage"]["prompt_tokens"]

@@ -50,7 +50,8 @@ class _Counter:
 
 async def apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any) -> None:
     """Validate `context_management` (a ``ValueError`` naming the field: HTTP 400), put the drop
-    fields on ``chat_request`` and replace the field with the :class:`Edited` summary. The renders run in the context-request worker thread, off the event loop."""
+    fields on ``chat_request`` and replace the field with the :class:`Edited` summary. The renders run
+    in the context-request worker thread, off the event loop."""
     if getattr(anthropic_request, "context_management", None) is None:
         return
     loop = asyncio.get_running_loop()

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 
 from akv.system.adapter import lengths
+from akv.system.adapter.anthropic import count_tokens as token_counts
 from akv.system.adapter.request_checks import RequestFieldError
 from akv.system.adapter.scheduling import ADMISSION_SLACK, attach
-from akv.system.adapter.serving import UnsupportedContextRequest
+from akv.system.adapter.serving import UnsupportedContextRequest, convert_request
 from akv.system.cache import plain
 from akv.system.cache.plan import Usage
 
@@ -55,35 +56,28 @@ async def usage(tokenizer_manager: Any, adapted_request: Any) -> dict[str, int]:
     return answer
 
 
-async def count_tokens(serving_chat: Any, anthropic_request: Any, chat_request: Any, raw_request: Any) -> dict[str, Any]:
+async def count_tokens(serving_chat: Any, anthropic_request: Any, chat_request: Any,
+                       raw_request: Any) -> dict[str, Any]:
     """The count_tokens body: ``chat_request`` (with the edits' drop fields) converted as
     `/v1/messages` would serve it, its input tokens before and after the edits
     (:func:`akv.system.adapter.anthropic.count_tokens`) and, for a text prompt, the dry run's
-    counters under ``akv``."""
-    from akv.system.adapter.anthropic import count_tokens as token_counts
-    from akv.system.adapter.serving import convert_request
-
+    counters under ``akv`` (with ``prompt_tokens``, as the reference server's)."""
     adapted, _ = await convert_request(serving_chat, chat_request, raw_request)
     ids = adapted.input_ids
     if not isinstance(ids, list) or (ids and not isinstance(ids[0], int)):
         text = ids if isinstance(ids, str) else adapted.text
         return token_counts(anthropic_request, len(serving_chat.tokenizer_manager.tokenizer.encode(text)))
     counters = await usage(serving_chat.tokenizer_manager, adapted)
-    return {**token_counts(anthropic_request, counters["prompt_tokens"]), "akv": count_tokens_block(counters)}
+    return {**token_counts(anthropic_request, counters["prompt_tokens"]), "akv": counters}
 
 
 def chat_body(request: Any, counters: dict[str, int]) -> dict[str, Any]:
     """The chat-completions dry-run response (the reference server's shape)."""
     prompt = counters["prompt_tokens"]
-    details = {key: counters[key] for key in ("cached_tokens", "repos_tokens", "drop_skipped_tokens", "computed_tokens")}
+    details = {key: value for key, value in counters.items() if key != "prompt_tokens"}
     return {"object": "akv.dry_run", "model": request.model,
             "usage": {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt,
                       "prompt_tokens_details": details}}
-
-
-def count_tokens_block(counters: dict[str, int]) -> dict[str, int]:
-    """The ``akv`` block of count_tokens (the reference server's shape)."""
-    return {key: counters[key] for key in ("cached_tokens", "repos_tokens", "computed_tokens", "drop_skipped_tokens")}
 
 
 def plan(scheduler: Any, query: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +86,7 @@ def plan(scheduler: Any, query: dict[str, Any]) -> dict[str, Any]:
     ids = np.asarray(query["input_ids"], dtype=np.int64)
     core = getattr(scheduler.tree_cache, "core", None)
     if core is None:
-        return {ERROR: "server configuration: radix_cache_backend: a dry run needs the AKV cache "
+        return {ERROR: "radix_cache_backend: a dry run needs the AKV cache "
                        "(start with python -m akv.system.launch_server)"}
     extra_key = query["extra_key"] or ""
     if query["program"] is None:  # a plain request: SGLang computes at least its last token
