@@ -2,8 +2,10 @@
 tool-use conversation with `clear_tool_uses_20250919` gets, turn for turn, the reply and usage the
 exact reference server gives the equivalent OpenAI-path drop program (written by hand here); `applied_edits`
 equal a count from the message list; streaming parses with the SDK; `count_tokens` gives the prompt
-before and after the edits of the request that follows; bad edits are 400s naming the field, and the
-server keeps serving (its strict idle leak check would stop the scheduler otherwise)."""
+before and after the edits of the request that follows and, planned against the cache, what it will
+read, re-rotate, compute and drop (as the reference server's dry run does); a dry run (`count_tokens`,
+`akv_dry_run` on chat completions) leaves the pool and the tree as they were; bad edits are 400s
+naming the field, and the server keeps serving (its strict idle leak check would stop the scheduler otherwise)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import pytest
 from akv.system.reference_server import Engine, ReferenceServer
 
 from .conftest import HERE, ROOT, STRICT
-from http_client import post
+from http_client import post, post_ok
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +74,23 @@ def equivalent(n_turns: int) -> dict[str, Any]:
     if drops:
         body["drop_message"] = drops
     return body
+
+
+AKV_COUNTERS = ("cached_tokens", "repos_tokens", "computed_tokens", "drop_skipped_tokens")
+
+
+def dry_run_counters(url: str, n_turns: int) -> dict[str, int]:
+    """`count_tokens`'s dry-run counters for turn ``n_turns`` of the conversation with the edits."""
+    body = {"model": "default", "tools": TOOLS, "messages": anthropic_messages(n_turns),
+            "context_management": {"edits": EDITS}}
+    counted = post_ok(url, body, path="/v1/messages/count_tokens", timeout=600)
+    return counted["akv"]
+
+
+def server_info(url: str) -> dict[str, int]:
+    """The scheduler's KV split (live, cached, free) and request counts."""
+    with urllib.request.urlopen(f"{url}/server_info", timeout=60) as response:
+        return json.loads(response.read())["internal_states"][0]["akv"]
 
 
 def _free_port() -> int:
@@ -129,11 +148,13 @@ def create(client: anthropic.Anthropic, n_turns: int) -> Any:
                                        messages=anthropic_messages(n_turns), context_management={"edits": EDITS})
 
 
-def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.Anthropic,
+def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.Anthropic, sglang_url: str,
                                                               reference_url: str) -> None:
     for n in range(1, N_TURNS + 1):
         preview = client.beta.messages.count_tokens(model="default", tools=TOOLS, messages=anthropic_messages(n),
                                                     context_management={"edits": EDITS})
+        planned = dry_run_counters(sglang_url, n)
+        assert planned == dry_run_counters(reference_url, n), n
         got = create(client, n)
         status, want = post(reference_url, equivalent(n))
         assert status == 200, want
@@ -146,6 +167,8 @@ def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.
         assert got.usage.output_tokens == usage["completion_tokens"], n
         assert preview.context_management.original_input_tokens == usage["prompt_tokens"], n
         assert preview.input_tokens == usage["prompt_tokens"] - details["drop_skipped_tokens"], n
+        assert planned == {"prompt_tokens": usage["prompt_tokens"], **{key: details[key] for key in AKV_COUNTERS}}, n
+        assert planned["cached_tokens"] + planned["repos_tokens"] == read, n
         results = sum(b["type"] == "tool_result" for m in anthropic_messages(n) if isinstance(m["content"], list)
                       for b in m["content"])
         edits = got.context_management.applied_edits if got.context_management else []
@@ -155,6 +178,42 @@ def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.
             assert edit.cleared_input_tokens == details["drop_skipped_tokens"] > 0
         else:
             assert edits == []
+
+
+def test_dry_runs_leave_the_cache_as_it_was(sglang_url: str, client: anthropic.Anthropic) -> None:
+    create(client, N_TURNS)  # the conversation so far is resident
+    body = {**equivalent(N_TURNS + 1), "akv_dry_run": True}
+    kv_before = server_info(sglang_url)
+    previews = [post_ok(sglang_url, body) for _ in range(2)]
+    counted = dry_run_counters(sglang_url, N_TURNS + 1)
+    assert server_info(sglang_url) == kv_before
+    assert previews[0] == previews[1] and previews[0]["object"] == "akv.dry_run"
+    planned = previews[0]["usage"]["prompt_tokens_details"]
+    assert {"prompt_tokens": previews[0]["usage"]["prompt_tokens"], **planned} == counted
+    assert planned["cached_tokens"] > 0 and planned["computed_tokens"] > 0 and planned["drop_skipped_tokens"] > 0
+    served = post_ok(sglang_url, {**body, "akv_dry_run": False})["usage"]
+    assert served["prompt_tokens_details"] == planned
+    assert served["prompt_tokens"] == previews[0]["usage"]["prompt_tokens"]
+
+
+def test_dry_run_of_a_plain_request(sglang_url: str) -> None:
+    body = {"model": "default", "messages": [{"role": "user", "content": "plain dry run"}], "max_tokens": 2}
+    planned = post_ok(sglang_url, {**body, "akv_dry_run": True})["usage"]
+    details = planned["prompt_tokens_details"]
+    assert details["cached_tokens"] + details["computed_tokens"] == planned["prompt_tokens"]
+    assert details["repos_tokens"] == details["drop_skipped_tokens"] == 0
+    served = post_ok(sglang_url, body)["usage"]
+    assert served["prompt_tokens"] == planned["prompt_tokens"]
+    assert served["prompt_tokens_details"]["cached_tokens"] == details["cached_tokens"]
+    again = post_ok(sglang_url, {**body, "akv_dry_run": True})["usage"]["prompt_tokens_details"]
+    assert again["cached_tokens"] == planned["prompt_tokens"] - 1  # all resident but the last token
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_akv_dry_run_must_be_a_boolean(sglang_url: str, value: Any) -> None:
+    status, error = post(sglang_url, {**equivalent(2), "akv_dry_run": value})
+    assert status == 400 and error["param"] == "akv_dry_run", error
+    assert error["message"].startswith("akv_dry_run:"), error
 
 
 def test_streamed_reply_parses_with_the_sdk(client: anthropic.Anthropic) -> None:

@@ -69,6 +69,7 @@ MISSPELT = [
     ({"drop_messages": {"2": [0]}}, "drop_messages: unknown field; AKV's cache operations are 'drop_message'"),
     ({"repositions": [2]}, "repositions: unknown field"),
     ({"drop_message": {"2": [0]}, "Drop_Message": {"2": [1]}}, "Drop_Message: unknown field"),
+    ({"akv_dryrun": True}, "akv_dryrun: unknown field"),
 ]
 
 
@@ -105,10 +106,11 @@ def test_plain_requests_parse_exactly_as_stock(results: dict[str, dict]) -> None
     patched = results["patched"]["requests"][: len(PLAIN)]
     for body, s, p in zip(PLAIN, stock, patched):
         assert s["ok"] and p["ok"], (body, s["error"], p["error"])
-        extra = {k: p["dump"].pop(k) for k in ("drop_message", "reposition", "drop_rule", "akv_unknown_fields")}
+        extra = {k: p["dump"].pop(k) for k in ("drop_message", "reposition", "drop_rule", "akv_unknown_fields",
+                                                "akv_dry_run")}
         assert p["dump"] == s["dump"], body
         assert extra == {"drop_message": body.get("drop_message"), "reposition": None, "drop_rule": None,
-                         "akv_unknown_fields": None}
+                         "akv_unknown_fields": None, "akv_dry_run": None}
 
 
 def test_usage_serializes_as_stock_and_adds_only_set_counters(results: dict[str, dict]) -> None:

@@ -48,17 +48,17 @@ class _Counter:
         return TokenLayout.from_owners(self.provenance.owners.tolist(), len(messages))
 
 
-async def apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any, *, fields: bool = True) -> None:
+async def apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any) -> None:
     """Validate `context_management` (a ``ValueError`` naming the field: HTTP 400), put the drop
-    fields on ``chat_request`` (unless ``fields`` is False: a count) and replace the field with the
-    :class:`Edited` summary. The renders run in the context-request worker thread, off the event loop."""
+    fields on ``chat_request`` and replace the field with the :class:`Edited` summary. The renders run
+    in the context-request worker thread, off the event loop."""
     if getattr(anthropic_request, "context_management", None) is None:
         return
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(_CONVERTER, _apply_edits, serving_chat, anthropic_request, chat_request, fields)
+    await loop.run_in_executor(_CONVERTER, _apply_edits, serving_chat, anthropic_request, chat_request)
 
 
-def _apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any, fields: bool) -> None:
+def _apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any) -> None:
     value = anthropic_request.context_management
     edits = parse_context_management(value, has_tools=bool(chat_request.tools))
     tools = template_tools([t.model_dump() for t in chat_request.tools]) if chat_request.tools else None
@@ -66,7 +66,7 @@ def _apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any, f
     counter = _Counter(serving_chat.tokenizer_manager.tokenizer,
                        edits.thinking is not None and edits.thinking.keep_turns is not None)
     plan = plan_edits(messages, edits, counter, tools=list(tools) if tools else None)
-    for key, field in plan.fields.items() if fields else ():
+    for key, field in plan.fields.items():
         setattr(chat_request, key, field)
     layout = counter.layout(messages, tools=tools)
     anthropic_request.context_management = _summary(edits, plan, counter.provenance, messages, layout)

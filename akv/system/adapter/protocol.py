@@ -14,6 +14,8 @@ from akv.system.context.drop_rule import RequestRules, is_context_request, parse
 from akv.system.context.rules import RuleError
 
 FIELDS = ("drop_message", "reposition", "drop_rule")
+KNOWN = (*FIELDS, "akv_dry_run")
+"""Top-level AKV fields of a chat completion (``akv_dry_run``: :mod:`akv.system.adapter.preview`)."""
 
 
 class UnknownContextField(RuleError):
@@ -30,7 +32,7 @@ def note_unknown_fields(values: Any) -> Any:
 
         raise PydanticCustomError("object_type", "the request body must be a JSON object, got {kind}",
                                   {"kind": _json_kind(values)})
-    unknown = sorted(k for k in values if isinstance(k, str) and k not in FIELDS and _looks_like_akv(k))
+    unknown = sorted(k for k in values if isinstance(k, str) and k not in KNOWN and _looks_like_akv(k))
     return {**values, "akv_unknown_fields": unknown} if unknown else values
 
 
