@@ -10,11 +10,6 @@ naming the field, and the server keeps serving (its strict idle leak check would
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +20,7 @@ import pytest
 
 from akv.system.reference_server import Engine, ReferenceServer
 
-from .conftest import HERE, ROOT, STRICT
+from .conftest import patched_servers
 from http_client import post, post_ok
 
 pytestmark = pytest.mark.slow
@@ -93,42 +88,11 @@ def server_info(url: str) -> dict[str, int]:
         return json.loads(response.read())["internal_states"][0]["akv"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sglang_url(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("sglang-cpu-anthropic") / "server.log"
-    env = {**os.environ, **STRICT, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
-    command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(tiny_qwen3), "--device", "cpu",
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--disable-cuda-graph",
-               "--sampling-backend", "pytorch", "--max-total-tokens", "4096", "--chunked-prefill-size", "64",
-               "--skip-server-warmup", "--mem-fraction-static", "0.5", "--enable-cache-report"]
-    log = open(log_path, "w")
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        yield url
-        assert server.poll() is None, log_path.read_text()[-4000:]
-    finally:
-        os.killpg(server.pid, 15)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-        log.close()
+    with patched_servers(patched_site, tiny_qwen3, tmp_path_factory.mktemp("sglang-cpu-anthropic"),
+                         args=("--chunked-prefill-size", "64", "--enable-cache-report")) as (server,):
+        yield server.url
 
 
 @pytest.fixture(scope="module")
