@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from akv.system.models.tiny import make_tiny_model
+from akv.system.reference_server import Engine, ReferenceServer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -120,3 +121,11 @@ def _stop(server: Server) -> None:
     except subprocess.TimeoutExpired:
         server.kill(9)
         server.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference_url(tiny_qwen3: Path) -> Iterator[str]:
+    """The exact CPU reference server on the tiny model, named as the patched servers' model."""
+    server = ReferenceServer(Engine(tiny_qwen3, name="default", kv_slots=4096))
+    with server.running():
+        yield server.url

@@ -18,7 +18,6 @@ from typing import Any
 import anthropic
 import pytest
 
-from akv.system.reference_server import Engine, ReferenceServer
 
 from .conftest import patched_servers
 from http_client import post, post_ok
@@ -92,13 +91,6 @@ def server_info(url: str) -> dict[str, int]:
 def sglang_url(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with patched_servers(patched_site, tiny_qwen3, tmp_path_factory.mktemp("sglang-cpu-anthropic"),
                          args=("--chunked-prefill-size", "64", "--enable-cache-report")) as (server,):
-        yield server.url
-
-
-@pytest.fixture(scope="module")
-def reference_url(tiny_qwen3: Path) -> Iterator[str]:
-    server = ReferenceServer(Engine(tiny_qwen3, name="default", kv_slots=4096))
-    with server.running():
         yield server.url
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from akv.system.reference_server import Engine, ReferenceServer
 
 from .conftest import patched_servers
 from http_client import post_text
@@ -53,13 +52,6 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 @pytest.fixture(scope="module")
 def sglang_url(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with patched_servers(patched_site, tiny_qwen3, tmp_path_factory.mktemp("sglang-cpu-server")) as (server,):
-        yield server.url
-
-
-@pytest.fixture(scope="module")
-def reference_url(tiny_qwen3: Path) -> Iterator[str]:
-    server = ReferenceServer(Engine(tiny_qwen3, name="default", kv_slots=4096))
-    with server.running():
         yield server.url
 
 

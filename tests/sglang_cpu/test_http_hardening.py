@@ -17,7 +17,7 @@ import pytest
 
 from akv.system.models.tiny import make_tiny_model
 
-from .test_http import MESSAGES, post, reference_url, sglang_url  # noqa: F401  (module-scoped servers)
+from .test_http import MESSAGES, post, sglang_url  # noqa: F401  (module-scoped server)
 import http_client
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from akv.system.context.provenance import ChatTemplate, token_provenance
 from akv.system.models.tiny import make_tiny_model
 from akv.system.reference_server.model_dir import load_model_dir
 
-from .test_http import post, reference_url, sglang_url  # noqa: F401 (fixtures, on this module's model)
+from .test_http import post, sglang_url  # noqa: F401 (fixture, on this module's model)
 
 pytestmark = pytest.mark.slow
 CONTEXT = 256

@@ -112,22 +112,11 @@ class RadixTree:
 
     def match(self, key: RecordKey) -> MatchResult:
         """Longest record prefix present in the tree, cut back to whole tokens, with their versions."""
-        node = self._root(key.namespace)
-        records = key.records
-        i = 0
-        parts: list[tuple[TreeNode, int]] = []
+        parts = self._path(key)
         stamp = self._tick()
-        while i < records.shape[0]:
-            child = node.children.get(int(records[i]))
-            if child is None:
-                break
-            common = _common_prefix(child.key, records[i:])
-            parts.append((child, common))
+        for child, _ in parts:
             self._touch(child, stamp)
-            i += common
-            if common < child.key.shape[0]:
-                break
-            node = child
+        i = sum(common for _, common in parts)
         n_tokens = key.tokens_within(i)
         slots, positions = _gather(parts, key.token_record[:n_tokens])
         return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
