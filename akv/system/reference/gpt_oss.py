@@ -14,12 +14,11 @@ SGLang's window; after a reposition it is the last ``sliding_window`` visible ke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from akv.system.reference.model import AttentionInputs, ConfigError, embed_tokens, read_model_dir
+from akv.system.reference.model import ConfigError, ReferenceModel
 from akv.system.reference.rope import inv_frequencies
 from akv.system.reference.yarn import Yarn, rerotate, rotate
 
@@ -51,6 +50,11 @@ class GptOssConfig:
     @property
     def arch(self) -> str:
         return "gpt_oss"
+
+    @property
+    def qk_norm(self) -> bool:
+        """gpt-oss has no q/k RMSNorm (its projections have biases instead)."""
+        return False
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer``, None for a full-attention layer."""
@@ -119,31 +123,19 @@ def _positive_int(raw: dict[str, Any], name: str) -> int:
     return value
 
 
-class GptOssReferenceModel:
+class GptOssReferenceModel(ReferenceModel):
     """Weights plus the per-layer pieces of the gpt-oss forward pass, computed in ``dtype``."""
+
+    config: GptOssConfig
+    config_type = GptOssConfig
 
     def __init__(self, config: GptOssConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self._w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
-        missing = sorted(set(self._expected_names()) - set(self._w))
-        if missing:
-            raise ConfigError(f"weights are missing tensors for gpt_oss: {missing[:5]}")
-        if config.tie_word_embeddings:
-            self._w["lm_head.weight"] = self._w["model.embed_tokens.weight"]
+        super().__init__(config, weights, dtype, device)
         yarn = config.yarn
         self.inv_freq = (yarn.inv_frequencies(config.head_dim, config.rope_theta) if yarn is not None else
                          inv_frequencies(config.head_dim, config.rope_theta))
         self.mscale = yarn.mscale if yarn is not None else 1.0
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> GptOssReferenceModel:
-        """Load config.json and every ``*.safetensors`` file of an HF gpt-oss directory onto ``device``."""
-        raw, weights = read_model_dir(path)
-        return cls(GptOssConfig.from_dict(raw), weights, dtype, device)
 
     def _expected_names(self) -> list[str]:
         c = self.config
@@ -155,26 +147,6 @@ class GptOssReferenceModel:
                      "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj", "mlp.experts.down_proj_bias"]
         per_layer += [f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")]
         return names + [f"model.layers.{i}.{n}" for i in range(c.num_layers) for n in per_layer]
-
-    def _rms_norm(self, x: torch.Tensor, weight: str) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.config.rms_norm_eps) * self._w[weight]
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self._w[name + ".weight"], self._w[name + ".bias"])
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[tokens, hidden]`` entering layer 0."""
-        return embed_tokens(self._w["model.embed_tokens.weight"], token_ids)
-
-    def attention_inputs(self, layer: int, hidden: torch.Tensor) -> AttentionInputs:
-        """Biased projections of ``hidden`` for ``layer`` (no q/k norm)."""
-        c, p = self.config, f"model.layers.{layer}."
-        x = self._rms_norm(hidden, p + "input_layernorm.weight")
-        q = self._linear(x, p + "self_attn.q_proj").view(-1, c.num_heads, c.head_dim)
-        k = self._linear(x, p + "self_attn.k_proj").view(-1, c.num_kv_heads, c.head_dim)
-        v = self._linear(x, p + "self_attn.v_proj").view(-1, c.num_kv_heads, c.head_dim)
-        return AttentionInputs(q=q, k=k, v=v)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``mscale * R(positions) x`` with the YaRN frequencies (NeoX halves), as the cache stores keys."""
@@ -221,14 +193,8 @@ class GptOssReferenceModel:
         probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :m]
         return torch.einsum("hnm,mhd->nhd", probs, v).reshape(n, -1)
 
-    def finish_layer(self, layer: int, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, and the MoE block of ``layer``."""
-        p = f"model.layers.{layer}."
-        hidden = hidden + self._linear(attention, p + "self_attn.o_proj")
-        return hidden + self._moe(layer, self._rms_norm(hidden, p + "post_attention_layernorm.weight"))
-
-    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Each token: softmax over its top-k router logits weights the chosen experts' outputs."""
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The MoE block: each token: softmax over its top-k router logits weights the chosen experts' outputs."""
         c, p = self.config, f"model.layers.{layer}.mlp."
         logits = self._linear(x, p + "router")
         top_values, top_experts = torch.topk(logits, c.experts_per_token, dim=-1)
@@ -247,7 +213,3 @@ class GptOssReferenceModel:
             expert_out = activated @ down_w[expert] + down_b[expert]
             out.index_add_(0, token, expert_out * weights[token, slot, None])
         return out
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``[tokens, vocab]``."""
-        return torch.nn.functional.linear(self._rms_norm(hidden, "model.norm.weight"), self._w["lm_head.weight"])

@@ -5,13 +5,12 @@ routing bias that only chooses experts (weights are the unbiased scores, renorma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from akv.system.models.minimax_m2 import ARCHITECTURE, UnsupportedMiniMaxError, check_supported
-from akv.system.reference.model import AttentionInputs, ConfigError, ModelConfig, ReferenceModel, read_model_dir
+from akv.system.reference.model import AttentionInputs, ConfigError, ModelConfig, ReferenceModel
 from akv.system.reference.rope import rerotate, rotate
 
 
@@ -105,13 +104,7 @@ class MiniMaxM2Model(ReferenceModel):
     """``ReferenceModel`` with MiniMax-M2's per-layer QK norm, partial RoPE and MoE."""
 
     config: MiniMaxM2Config
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> MiniMaxM2Model:
-        """Load config.json and every ``*.safetensors`` file of a MiniMax-M2 model directory onto ``device``."""
-        raw, weights = read_model_dir(path)
-        return cls(MiniMaxM2Config.from_dict(raw), weights, dtype, device)
+    config_type = MiniMaxM2Config
 
     def _expected_names(self) -> list[str]:
         c = self.config
@@ -144,12 +137,6 @@ class MiniMaxM2Model(ReferenceModel):
         c = self.config
         return rerotate(k, old_positions, new_positions, theta=c.rope_theta, rotary_dim=c.rotary_dim, neox=True)
 
-    def finish_layer(self, layer: int, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, and the routed MoE block of ``layer``."""
-        p = f"model.layers.{layer}."
-        hidden = hidden + self._linear(attention, p + "self_attn.o_proj")
-        return hidden + self._moe(layer, self._rms_norm(hidden, p + "post_attention_layernorm.weight"))
-
     def routing_scores(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FP32 ``sigmoid(gate x)`` per row and expert, and the same plus the routing bias (what chooses)."""
         p = f"model.layers.{layer}.block_sparse_moe."
@@ -163,7 +150,8 @@ class MiniMaxM2Model(ReferenceModel):
         weights = scores.gather(1, chosen)
         return chosen, (weights / weights.sum(dim=-1, keepdim=True)).to(self.dtype)
 
-    def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The routed MoE block of ``layer``."""
         chosen, weights = self.route(layer, x)
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():

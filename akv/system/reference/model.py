@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -155,6 +155,9 @@ def embed_tokens(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 class ReferenceModel:
     """Weights plus the per-layer pieces of the forward pass, all computed in ``dtype`` on ``device``."""
 
+    config_type: ClassVar[type] = ModelConfig
+    """What :meth:`from_pretrained` reads config.json into (a subclass names its own)."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         self.config = config
@@ -172,7 +175,7 @@ class ReferenceModel:
                         device: str | torch.device = "cpu") -> ReferenceModel:
         """Load config.json and every ``*.safetensors`` file of an HF model directory onto ``device``."""
         raw, weights = read_model_dir(path)
-        return cls(ModelConfig.from_dict(raw), weights, dtype, device)
+        return cls(cls.config_type.from_dict(raw), weights, dtype, device)
 
     def _expected_names(self) -> list[str]:
         c = self.config
@@ -251,12 +254,16 @@ class ReferenceModel:
         return self.attend(q_rot, k_rot, v, visible)
 
     def finish_layer(self, layer: int, hidden: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, and the SwiGLU MLP block of ``layer``."""
+        """Output projection, residual, and the feed-forward block of ``layer`` (:meth:`_mlp`)."""
         p = f"model.layers.{layer}."
         hidden = hidden + self._linear(attention, p + "self_attn.o_proj")
-        x = self._rms_norm(hidden, p + "post_attention_layernorm.weight")
-        gate = torch.nn.functional.silu(self._linear(x, p + "mlp.gate_proj"))
-        return hidden + self._linear(gate * self._linear(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+        return hidden + self._mlp(layer, self._rms_norm(hidden, p + "post_attention_layernorm.weight"))
+
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP of ``layer`` on normalised ``x``."""
+        p = f"model.layers.{layer}.mlp."
+        gate = torch.nn.functional.silu(self._linear(x, p + "gate_proj"))
+        return self._linear(gate * self._linear(x, p + "up_proj"), p + "down_proj")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[tokens, vocab]``."""
