@@ -1,11 +1,15 @@
 """The patched SGLang's `/v1/messages` on the CPU, driven by the official `anthropic` SDK: a multi-turn
 tool-use conversation with `clear_tool_uses_20250919` gets, turn for turn, the reply and usage the
-exact reference server gives the equivalent OpenAI-path drop program (written by hand here); `applied_edits`
-equal a count from the message list; streaming parses with the SDK; `count_tokens` gives the prompt
-before and after the edits of the request that follows and, planned against the cache, what it will
-read, re-rotate, compute and drop (as the reference server's dry run does); a dry run (`count_tokens`,
-`akv_dry_run` on chat completions) leaves the pool and the tree as they were; bad edits are 400s
-naming the field, and the server keeps serving (its strict idle leak check would stop the scheduler otherwise)."""
+exact reference server gives the equivalent OpenAI-path drop program (written by hand here); with
+thinking blocks in the earlier turns, `clear_thinking_20251015` gets the reply and usage of its
+`thinking_drop` program, whose reference reply is checked against the oracle token by token (the
+server runs with `--reasoning-parser qwen3`, without which SGLang leaves thinking blocks out of the
+prompt); `applied_edits` equal a count from the message list; streaming parses with the SDK;
+`count_tokens` gives the prompt before and after the edits of the request that follows and, planned
+against the cache, what it will read, re-rotate, compute and drop (as the reference server's dry run
+does); a dry run (`count_tokens`, `akv_dry_run` on chat completions) leaves the pool and the tree as
+they were; bad edits are 400s naming the field, and the server keeps serving (its strict idle leak
+check would stop the scheduler otherwise)."""
 
 from __future__ import annotations
 
