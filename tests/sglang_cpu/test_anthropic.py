@@ -29,7 +29,7 @@ from akv.system.context.compiler import append_generated
 from akv.system.context.request import compile_request
 from akv.system.reference.model import ReferenceModel
 from akv.system.reference.oracle import run_program
-from akv.system.reference_server.model_dir import load_model_dir
+from akv.system.reference_server.model_dir import ModelDir, load_model_dir
 
 from .conftest import patched_servers
 from http_client import post, post_ok
@@ -112,8 +112,8 @@ def client(sglang_url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=sglang_url, api_key="none", max_retries=0, timeout=600)
 
 
-# The replies compared here are plain text: with the server's reasoning parser on, a reply of a request
-# that does not turn thinking off is parsed as reasoning (the tiny model never closes a <think>).
+# The replies compared here are plain text: with the server's qwen3 reasoning parser, a request that
+# leaves thinking on has its reply parsed as reasoning up to a </think> the tiny model does not write.
 NO_THINKING = {"type": "disabled"}
 
 
@@ -186,10 +186,9 @@ def thinking_equivalent(n_turns: int) -> dict[str, Any]:
     return {**body, "logprobs": True}
 
 
-def assert_oracle_reply(model: ReferenceModel, tiny_qwen3: Path, body: dict[str, Any], reply: dict[str, Any]) -> int:
+def assert_oracle_reply(model: ReferenceModel, files: ModelDir, body: dict[str, Any], reply: dict[str, Any]) -> int:
     """The reference server's reply to ``body`` token by token against the oracle run of the compiled
     program; returns the number of prompt tokens the program hides from the reply."""
-    files = load_model_dir(tiny_qwen3)
     program = compile_request(files.tokenizer, template_messages(body["messages"]), template=files.chat_template,
                               tools=list(template_tools(body["tools"])), drop_rule=body.get("drop_rule")).program
     entries = reply["choices"][0]["logprobs"]["content"]
@@ -205,7 +204,7 @@ def assert_oracle_reply(model: ReferenceModel, tiny_qwen3: Path, body: dict[str,
 
 def test_clear_thinking_equals_the_oracle_run_of_its_program(client: anthropic.Anthropic, sglang_url: str,
                                                              reference_url: str, tiny_qwen3: Path) -> None:
-    model = ReferenceModel.from_pretrained(tiny_qwen3)
+    model, files = ReferenceModel.from_pretrained(tiny_qwen3), load_model_dir(tiny_qwen3)
     for n in range(1, N_TURNS + 1):
         messages = thinking_messages(n)
         edits = {"edits": THINKING_EDITS}
@@ -217,7 +216,7 @@ def test_clear_thinking_equals_the_oracle_run_of_its_program(client: anthropic.A
         body = thinking_equivalent(n)
         status, want = post(reference_url, body)
         assert status == 200, want
-        hidden = assert_oracle_reply(model, tiny_qwen3, body, want)
+        hidden = assert_oracle_reply(model, files, body, want)
         text = "".join(b.text for b in got.content if b.type == "text")
         assert text == want["choices"][0]["message"]["content"], n
         usage, details = want["usage"], want["usage"]["prompt_tokens_details"]
