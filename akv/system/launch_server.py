@@ -5,7 +5,9 @@ build, adds ``--page-size 1``, ``--attention-backend``, ``--radix-cache-backend 
 ``--disable-hybrid-swa-memory`` unless given (the attention backend is ``flashinfer`` on a CUDA
 device with FlashInfer installed and a model without sliding-window layers, ``triton`` elsewhere),
 refuses flags that contradict them (and a disabled radix cache or chunked prefill), and hands every
-flag to SGLang's own launcher.
+flag to SGLang's own launcher. Give the model's ``--reasoning-parser`` (e.g. ``qwen3``) for the
+Anthropic ``clear_thinking_20251015`` edit on ``/v1/messages``: without one SGLang leaves earlier
+thinking blocks out of the prompt, and the edit on a conversation that has them is refused (400).
 """
 
 from __future__ import annotations

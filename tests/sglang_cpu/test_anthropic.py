@@ -1,11 +1,15 @@
 """The patched SGLang's `/v1/messages` on the CPU, driven by the official `anthropic` SDK: a multi-turn
 tool-use conversation with `clear_tool_uses_20250919` gets, turn for turn, the reply and usage the
-exact reference server gives the equivalent OpenAI-path drop program (written by hand here); `applied_edits`
-equal a count from the message list; streaming parses with the SDK; `count_tokens` gives the prompt
-before and after the edits of the request that follows and, planned against the cache, what it will
-read, re-rotate, compute and drop (as the reference server's dry run does); a dry run (`count_tokens`,
-`akv_dry_run` on chat completions) leaves the pool and the tree as they were; bad edits are 400s
-naming the field, and the server keeps serving (its strict idle leak check would stop the scheduler otherwise)."""
+exact reference server gives the equivalent OpenAI-path drop program (written by hand here); with
+thinking blocks in the earlier turns, `clear_thinking_20251015` gets the reply and usage of its
+`thinking_drop` program, whose reference reply is checked against the oracle token by token (the
+server runs with `--reasoning-parser qwen3`, without which SGLang leaves thinking blocks out of the
+prompt); `applied_edits` equal a count from the message list; streaming parses with the SDK;
+`count_tokens` gives the prompt before and after the edits of the request that follows and, planned
+against the cache, what it will read, re-rotate, compute and drop (as the reference server's dry run
+does); a dry run (`count_tokens`, `akv_dry_run` on chat completions) leaves the pool and the tree as
+they were; bad edits are 400s naming the field, and the server keeps serving (its strict idle leak
+check would stop the scheduler otherwise)."""
 
 from __future__ import annotations
 
@@ -16,8 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import numpy as np
 import pytest
+import torch
 
+from akv.agent.templating import template_messages, template_tools
+from akv.system.context.compiler import append_generated
+from akv.system.context.request import compile_request
+from akv.system.reference.model import ReferenceModel
+from akv.system.reference.oracle import run_program
+from akv.system.reference_server.model_dir import ModelDir, load_model_dir
 
 from .conftest import patched_servers
 from http_client import post, post_ok
@@ -90,7 +102,8 @@ def server_info(url: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def sglang_url(patched_site: Path, tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with patched_servers(patched_site, tiny_qwen3, tmp_path_factory.mktemp("sglang-cpu-anthropic"),
-                         args=("--chunked-prefill-size", "64", "--enable-cache-report")) as (server,):
+                         args=("--chunked-prefill-size", "64", "--enable-cache-report",
+                               "--reasoning-parser", "qwen3")) as (server,):
         yield server.url
 
 
@@ -99,9 +112,15 @@ def client(sglang_url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=sglang_url, api_key="none", max_retries=0, timeout=600)
 
 
+# The replies compared here are plain text: with the server's qwen3 reasoning parser, a request that
+# leaves thinking on has its reply parsed as reasoning up to a </think> the tiny model does not write.
+NO_THINKING = {"type": "disabled"}
+
+
 def create(client: anthropic.Anthropic, n_turns: int) -> Any:
     return client.beta.messages.create(model="default", max_tokens=5, extra_body={"temperature": 0.0}, tools=TOOLS,
-                                       messages=anthropic_messages(n_turns), context_management={"edits": EDITS})
+                                       messages=anthropic_messages(n_turns), context_management={"edits": EDITS},
+                                       thinking=NO_THINKING)
 
 
 def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.Anthropic, sglang_url: str,
@@ -134,6 +153,89 @@ def test_turns_equal_the_reference_servers_equivalent_program(client: anthropic.
             assert edit.cleared_input_tokens == details["drop_skipped_tokens"] > 0
         else:
             assert edits == []
+
+
+KEEP_THINKING = 2
+THINKING_EDITS = [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": KEEP_THINKING}}]
+
+
+def thought(i: int) -> str:
+    return f"record {i} names record {i + 1}, so that one is next"
+
+
+def thinking_messages(n_turns: int) -> list[dict[str, Any]]:
+    """The tool-use conversation with a thinking block leading each assistant turn."""
+    messages = anthropic_messages(n_turns)
+    for i in range(n_turns):
+        messages[2 * i + 1]["content"].insert(0, {"type": "thinking", "thinking": thought(i), "signature": "local"})
+    return messages
+
+
+def thinking_equivalent(n_turns: int) -> dict[str, Any]:
+    """The OpenAI-path request `clear_thinking_20251015` means: each thinking block as the leading
+    `<think>` block of its assistant message (as SGLang's conversion wraps it with the qwen3 reasoning
+    parser) and, by hand, at the tool result of turn i (message 2i+2) the reasoning of turn
+    i - KEEP_THINKING (message 2(i - KEEP_THINKING)+1) dropped."""
+    body = equivalent(n_turns)
+    body.pop("drop_message", None)
+    for i in range(n_turns):
+        body["messages"][2 * i + 1]["content"] = f"<think>{thought(i)}\n</think>"
+    schedule = {str(2 * i + 2): [2 * (i - KEEP_THINKING) + 1] for i in range(KEEP_THINKING, n_turns)}
+    if schedule:
+        body["drop_rule"] = {"type": "thinking_drop", "thinking": schedule}
+    return {**body, "logprobs": True}
+
+
+def assert_oracle_reply(model: ReferenceModel, files: ModelDir, body: dict[str, Any], reply: dict[str, Any]) -> int:
+    """The reference server's reply to ``body`` token by token against the oracle run of the compiled
+    program; returns the number of prompt tokens the program hides from the reply."""
+    program = compile_request(files.tokenizer, template_messages(body["messages"]), template=files.chat_template,
+                              tools=list(template_tools(body["tools"])), drop_rule=body.get("drop_rule")).program
+    entries = reply["choices"][0]["logprobs"]["content"]
+    tokens = np.asarray([e["token_id"] for e in entries], dtype=np.int64)
+    log_probs = run_program(model, append_generated(program, tokens)).log_probs()
+    for j, entry in enumerate(entries):
+        row = log_probs[program.n_prompt - 1 + j]
+        assert entry["token_id"] == int(torch.argmax(row)), j
+        assert entry["logprob"] == pytest.approx(float(row[entry["token_id"]]), abs=1e-4), j
+    assert reply["usage"]["prompt_tokens"] == program.n_prompt
+    return int((~program.keep[: program.n_prompt]).sum())
+
+
+def test_clear_thinking_equals_the_oracle_run_of_its_program(client: anthropic.Anthropic, sglang_url: str,
+                                                             reference_url: str, tiny_qwen3: Path) -> None:
+    model, files = ReferenceModel.from_pretrained(tiny_qwen3), load_model_dir(tiny_qwen3)
+    for n in range(1, N_TURNS + 1):
+        messages = thinking_messages(n)
+        edits = {"edits": THINKING_EDITS}
+        preview = client.beta.messages.count_tokens(model="default", tools=TOOLS, messages=messages,
+                                                    context_management=edits)
+        got = client.beta.messages.create(model="default", max_tokens=5, extra_body={"temperature": 0.0},
+                                          tools=TOOLS, messages=messages, context_management=edits,
+                                          thinking=NO_THINKING)
+        body = thinking_equivalent(n)
+        status, want = post(reference_url, body)
+        assert status == 200, want
+        hidden = assert_oracle_reply(model, files, body, want)
+        text = "".join(b.text for b in got.content if b.type == "text")
+        assert text == want["choices"][0]["message"]["content"], n
+        usage, details = want["usage"], want["usage"]["prompt_tokens_details"]
+        read = got.usage.cache_read_input_tokens or 0
+        assert got.usage.input_tokens + read == usage["prompt_tokens"], n
+        assert read == details["cached_tokens"] + details["repos_tokens"], n
+        assert got.usage.output_tokens == usage["completion_tokens"], n
+        assert preview.context_management.original_input_tokens == usage["prompt_tokens"], n
+        assert preview.input_tokens == usage["prompt_tokens"] - hidden, n
+        thinking = sum(b["type"] == "thinking" for m in messages if isinstance(m["content"], list)
+                       for b in m["content"])
+        applied_edits = got.context_management.applied_edits if got.context_management else []
+        if thinking > KEEP_THINKING:  # the reasoning of every turn but the newest KEEP_THINKING is cleared
+            (edit,) = applied_edits
+            assert edit.type == "clear_thinking_20251015"
+            assert edit.cleared_thinking_turns == thinking - KEEP_THINKING, n
+            assert edit.cleared_input_tokens == hidden == details["drop_skipped_tokens"] > 0, n
+        else:
+            assert applied_edits == [] and hidden == 0, n
 
 
 def test_dry_runs_leave_the_cache_as_it_was(sglang_url: str, client: anthropic.Anthropic) -> None:
@@ -175,7 +277,7 @@ def test_akv_dry_run_must_be_a_boolean(sglang_url: str, value: Any) -> None:
 def test_streamed_reply_parses_with_the_sdk(client: anthropic.Anthropic) -> None:
     whole = create(client, N_TURNS)
     with client.beta.messages.stream(model="default", max_tokens=5, extra_body={"temperature": 0.0}, tools=TOOLS,
-                                     messages=anthropic_messages(N_TURNS),
+                                     messages=anthropic_messages(N_TURNS), thinking=NO_THINKING,
                                      context_management={"edits": EDITS}) as stream:
         kinds = [event.type for event in stream]
         streamed = stream.get_final_message()

@@ -1,8 +1,10 @@
 """The whole patched server on the CPU: ``python -m akv.system.launch_server`` (HTTP layer, tokenizer
 manager, real scheduler, detokenizer, FP32 tiny Qwen3) against the exact CPU reference server,
 request for request: the same replies and the same usage for plain and context turns, streamed
-and not; bad requests answered 400 with ``param`` set and the body not echoed; the server keeps
-serving afterwards (its strict idle leak check would stop the scheduler otherwise)."""
+and not; bad requests answered 400 with ``param`` set and the body not echoed; without a reasoning
+parser, `clear_thinking_20251015` on a conversation with thinking blocks is a 400 (SGLang leaves them
+out of the prompt, so none could be kept); the server keeps serving afterwards (its strict idle leak
+check would stop the scheduler otherwise)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 
 
 from .conftest import patched_servers
+from http_client import post as post_json
 from http_client import post_text
 
 pytestmark = pytest.mark.slow
@@ -131,6 +134,34 @@ def test_drop_rule_with_drop_message_is_a_400(sglang_url: str) -> None:
                                       "drop_rule": {"type": "thinking_drop"}, "drop_message": {"4": [3]}})
     assert status == 400 and error["param"] == "drop_rule", error
     assert "drop_rule and drop_message are exclusive" in error["message"]
+
+
+def anthropic_conversation(thinking: bool) -> list[dict[str, Any]]:
+    call = {"type": "tool_use", "id": "toolu_a", "name": "read_record", "input": {"id": "A"}}
+    blocks = [{"type": "thinking", "thinking": "A first, then B.", "signature": "local"}, call] if thinking else [call]
+    result = {"type": "tool_result", "tool_use_id": "toolu_a", "content": MESSAGES[3]["content"]}
+    return [{"role": "user", "content": "Read record A and follow it."}, {"role": "assistant", "content": blocks},
+            {"role": "user", "content": [result]}]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_clear_thinking_without_a_reasoning_parser_is_a_400(sglang_url: str, path: str) -> None:
+    """This server runs without --reasoning-parser: SGLang's conversion leaves the thinking blocks of
+    earlier turns out of the prompt, so `clear_thinking_20251015` cannot keep any. It is refused when
+    the conversation has thinking blocks, and served when it has none (nothing to keep)."""
+    tools = [{"name": "read_record", "description": "read a record",
+              "input_schema": {"type": "object", "properties": {"id": {"type": "string"}}}}]
+    edits = [{"type": "clear_thinking_20251015"}]
+    body: dict[str, Any] = {"model": "default", "tools": tools, "messages": anthropic_conversation(True),
+                            "context_management": {"edits": edits}}
+    if path == "/v1/messages":
+        body["max_tokens"] = 2
+    status, error = post_json(sglang_url, body, path=path, timeout=600)
+    assert status == 400 and error["error"]["type"] == "invalid_request_error", error
+    message = error["error"]["message"]
+    assert message.startswith("context_management.edits[0].type:") and "--reasoning-parser" in message, error
+    status, reply = post_json(sglang_url, {**body, "messages": anthropic_conversation(False)}, path=path, timeout=600)
+    assert status == 200, reply
 
 
 def test_the_server_still_serves_after_everything(sglang_url: str, served_turns: list) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from akv.agent.anthropic import CLEAR_THINKING, CLEAR_TOOL_USES, ContextEdits, EditPlan
+from akv.agent.anthropic import CLEAR_THINKING, CLEAR_TOOL_USES, ContextEdits, ContextManagementError, EditPlan
 from akv.agent.anthropic import parse_context_management, plan_edits
 from akv.agent.counting import TokenLayout
 from akv.agent.templating import template_messages, template_tools
@@ -61,6 +61,12 @@ async def apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: A
 def _apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any) -> None:
     value = anthropic_request.context_management
     edits = parse_context_management(value, has_tools=bool(chat_request.tools))
+    if edits.thinking is not None and _thinking_left_out(serving_chat, anthropic_request):
+        index = next(i for i, edit in enumerate(value["edits"]) if edit.get("type") == CLEAR_THINKING)
+        raise ContextManagementError(
+            f"context_management.edits[{index}].type",
+            f"{CLEAR_THINKING!r} needs a server started with --reasoning-parser: without one, the thinking "
+            "blocks of earlier assistant turns are left out of the prompt, so none can be kept")
     tools = template_tools([t.model_dump() for t in chat_request.tools]) if chat_request.tools else None
     messages = template_messages([message_dict(m) for m in chat_request.messages])
     counter = _Counter(serving_chat.tokenizer_manager.tokenizer,
@@ -70,6 +76,16 @@ def _apply_edits(serving_chat: Any, anthropic_request: Any, chat_request: Any) -
         setattr(chat_request, key, field)
     layout = counter.layout(messages, tools=tools)
     anthropic_request.context_management = _summary(edits, plan, counter.provenance, messages, layout)
+
+
+def _thinking_left_out(serving_chat: Any, anthropic_request: Any) -> bool:
+    """Whether SGLang's conversion left out thinking blocks of assistant turns: it rewraps them in the
+    reasoning parser's markers and drops them when the server has no parser."""
+    if getattr(serving_chat, "_reasoning_detector", None) is not None:
+        return False
+    return any(getattr(block, "type", None) == "thinking" and getattr(block, "thinking", None)
+               for message in anthropic_request.messages if message.role == "assistant"
+               and not isinstance(message.content, str) for block in message.content)
 
 
 def applied(anthropic_request: Any) -> dict[str, Any] | None:
