@@ -243,3 +243,46 @@ def test_a_round_stops_before_a_segment_whose_copies_reuse_a_slot_the_round_read
     assert np.isin(last.copies.dst, read_before).any(), "the case in point: the last segment recycles a copy slot"
     _fill(req, prog, 0)
     assert cap_extend(req) and req.extend_range.end == last.start
+
+
+def _in_place_turn() -> tuple[CacheCore, object, object]:
+    """A first turn in the tree and the next turn over exactly its text that drops message 1 and
+    repositions what follows (resident KV nothing else reads), and a sibling that reads it unmoved."""
+    conv = Conversation(150).add(6, 9, 7, 8)
+    first = conv.request("first", max_new=1)
+    turn, sibling = conv.copy(), conv.copy()
+    for c in (turn, sibling):
+        c.messages.append(list(first.ids[-3:]))
+    core = CacheCore(SlotPool(1000))
+    core.finish(core.admit(first.program))
+    return core, turn.drop(1).reposition().add(5).request("turn").program, sibling.add(4).request("sibling").program
+
+
+@pytest.mark.parametrize("sibling_locks", ["before the turn locks", "between the turn's lock and commit"])
+def test_a_version_another_request_locked_is_copied_not_rotated_in_place(sibling_locks: str) -> None:
+    """The turn's draft rotates 18 resident tokens in place and takes no copy slot; a sibling that reads
+    them at their old positions locks them after the turn was planned (SGLang locks a batch's requests
+    one after another, then commits each): the turn is planned again and copies them, its commit does
+    not fail, and the sibling's versions stay where they were."""
+    core, turn_program, sibling_program = _in_place_turn()
+    turn, sibling = AkvRequest(turn_program), AkvRequest(sibling_program)
+    draft = turn.plan_draft(core)
+    assert draft.n_copy_slots == 0 and draft.plan.taken.size == 18
+    sibling.plan_draft(core)
+    if sibling_locks == "before the turn locks":
+        sibling.lock(core)
+        turn.lock(core)
+    else:
+        turn.lock(core)
+        sibling.lock(core)
+    held = set(sibling.pinned.tolist())
+    turn.commit(core)
+    sibling.commit(core)
+    copies = [job for job in turn.active.plan.copies if job.size]
+    assert sum(job.size for job in copies) == 18 and not any((job.src == job.dst).any() for job in copies)
+    assert held <= set(np.concatenate([s.prefix_slots for s in sibling.active.plan.segments]).tolist())
+    assert core.pool.request_refs(np.asarray(sorted(held))).min() >= 1
+    for state in (turn, sibling):
+        state.release(core, publish=False)
+    core.flush()
+    assert core.pool.n_free == core.pool.size

@@ -6,6 +6,12 @@ attention entry, :mod:`akv.system.adapter.batch_metadata`); it gets, as its pref
 first segment ``s`` reads for the columns before ``lo`` (zeros where nothing is visible) and writes
 its births into ``[lo, hi)``. Generation reads the terminal view, written into the row once before
 the first decode step.
+
+Plans are in-place plans (:mod:`akv.system.cache.occurrence`): a resident version that nothing but
+this request reads (no other request, no other tree path, no earlier segment of the request) is
+re-rotated in its own slot and published at its new position; a copy is taken only where the old
+version must stay readable. A version another request locked after the draft was planned is copied
+instead (the draft is planned again at lock and at commit).
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ class AkvRequest:
             return self.draft
         if self.draft is None or self.draft.epoch != core.epoch or cold != self._cold:
             started = time.perf_counter()
-            self.draft = core.match(self.program, self.namespace, cold=cold)
+            self.draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
             self._cold = cold
             if not cold and room is not None and _holds(self.draft, core.pool) > room:
                 self.draft = core.match(self.program, self.namespace, cold=True)
@@ -98,11 +104,20 @@ class AkvRequest:
         """SGLang's lock: hold the versions the draft borrows, so admission counts them as taken
         and nothing evicts them before :meth:`commit` (which allocates the copy slots)."""
         if self.active is None and self.pinned is None:
-            draft = self.plan_draft(core, cold=self._cold)
+            draft = self._uncontested(core, held=False)
             started = time.perf_counter()
             self.pinned = draft.plan.plan.borrowed
             core.pool.incref(self.pinned)
             self.admission_s += time.perf_counter() - started
+
+    def _uncontested(self, core: CacheCore, *, held: bool) -> Draft:
+        """The draft, planned again if another request locked a version it rotates in place since it
+        was planned (that request reads the old version: the new draft copies it)."""
+        draft = self.plan_draft(core, cold=self._cold)
+        if core.contested(draft, held=held):
+            self.draft = None
+            draft = self.plan_draft(core, cold=self._cold)
+        return draft
 
     def unlock(self, core: CacheCore) -> None:
         if self.pinned is not None:
@@ -117,6 +132,9 @@ class AkvRequest:
         held = self.pinned is not None
         draft = self.draft if held else self.plan_draft(core, cold=self._cold)
         assert draft is not None
+        if core.contested(draft, held=held):
+            self.unlock(core)
+            draft, held = self._uncontested(core, held=False), False
         started = time.perf_counter()
         self.active = core.commit(draft, held=held)
         self.unlock(core)
