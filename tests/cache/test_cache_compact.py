@@ -242,3 +242,23 @@ def test_an_in_place_plan_takes_no_copy_slot_and_keeps_its_births() -> None:
     request = core.admit(program, in_place=True)
     assert free - pool.n_free == 4 and not _in_place(request.plan), "the reader's published path reads 4, 5 at 4, 5"
     core.finish(request)
+
+
+def test_reserved_versions_are_resident_for_no_other_match() -> None:
+    """While a locked draft holds versions it will rotate in place (``reserve``), a plain match stops
+    before them and a context match plans their tokens as recomputed; ``unreserve`` gives them back."""
+    from akv.system.cache import plain
+
+    core = CacheCore(SlotPool(64))
+    first = Conversation(MESSAGES, {}, ()).program(2)
+    core.finish(core.admit(first))
+    draft = core.match(Conversation(MESSAGES, {2: (1,)}, (2,)).program(3), in_place=True)
+    reader = Conversation(MESSAGES, {}, ()).program(3)
+    assert plain.resident_prefix(core, first.token_ids, "").size == first.n_tokens
+    assert not core.match(reader).plan.plan.computed[:first.n_tokens].any()
+    core.reserve(draft.plan.taken)
+    assert plain.resident_prefix(core, first.token_ids, "").size == 4  # tokens 4, 5 set aside
+    assert core.match(reader).plan.plan.computed[[4, 5]].all()
+    assert not np.isin(core.match(reader).plan.plan.borrowed, draft.plan.taken).any()
+    core.unreserve(draft.plan.taken)
+    assert plain.resident_prefix(core, first.token_ids, "").size == first.n_tokens

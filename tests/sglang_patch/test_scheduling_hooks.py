@@ -258,30 +258,48 @@ def _in_place_turn() -> tuple[CacheCore, object, object]:
     return core, turn.drop(1).reposition().add(5).request("turn").program, sibling.add(4).request("sibling").program
 
 
-@pytest.mark.parametrize("sibling_locks", ["before the turn locks", "between the turn's lock and commit"])
-def test_a_version_another_request_locked_is_copied_not_rotated_in_place(sibling_locks: str) -> None:
-    """The turn's draft rotates 18 resident tokens in place and takes no copy slot; a sibling that reads
-    them at their old positions locks them after the turn was planned (SGLang locks a batch's requests
-    one after another, then commits each): the turn is planned again and copies them, its commit does
-    not fail, and the sibling's versions stay where they were."""
+@pytest.mark.parametrize("order", ["sibling locks first", "sibling planned after the lock",
+                                   "sibling planned before the lock, locked after", "plain pin before the commit"])
+def test_versions_a_request_rotates_in_place_are_read_by_no_one_else(order: str) -> None:
+    """The turn's draft rotates 18 resident tokens in place and takes no copy slot; a sibling reads
+    them at their old positions. A sibling locked first makes the turn copy them (planned again at its
+    lock). Once the turn is locked they are set aside: a sibling planned then, or planned before and
+    locked after, recomputes them instead, and the turn rotates them in place. A reference taken
+    between lock and commit outside the drafts (a plain request's lock) makes the commit plan again
+    and copy. Nothing raises, and releasing everything frees every slot."""
     core, turn_program, sibling_program = _in_place_turn()
     turn, sibling = AkvRequest(turn_program), AkvRequest(sibling_program)
     draft = turn.plan_draft(core)
-    assert draft.n_copy_slots == 0 and draft.plan.taken.size == 18
-    sibling.plan_draft(core)
-    if sibling_locks == "before the turn locks":
+    taken = draft.plan.taken
+    assert draft.n_copy_slots == 0 and taken.size == 18
+    pins = []
+    if order == "sibling locks first":
         sibling.lock(core)
         turn.lock(core)
+    elif order == "sibling planned after the lock":
+        turn.lock(core)
+        sibling.lock(core)
+    elif order == "sibling planned before the lock, locked after":
+        sibling.plan_draft(core)
+        turn.lock(core)
+        sibling.lock(core)
     else:
         turn.lock(core)
-        sibling.lock(core)
-    held = set(sibling.pinned.tolist())
+        pins = taken
+        core.pool.incref(pins)
     turn.commit(core)
-    sibling.commit(core)
+    if order != "plain pin before the commit":
+        sibling.commit(core)
     copies = [job for job in turn.active.plan.copies if job.size]
-    assert sum(job.size for job in copies) == 18 and not any((job.src == job.dst).any() for job in copies)
-    assert held <= set(np.concatenate([s.prefix_slots for s in sibling.active.plan.segments]).tolist())
-    assert core.pool.request_refs(np.asarray(sorted(held))).min() >= 1
+    in_place = sum(int((job.src == job.dst).sum()) for job in copies)
+    moved = sum(job.size for job in copies)
+    if order in ("sibling locks first", "plain pin before the commit"):
+        assert moved == 18 and in_place == 0
+    else:
+        assert moved == in_place == 18
+        assert not np.isin(sibling.active.plan.borrowed, taken).any()
+        assert sibling.active.plan.computed.sum() == 18 + 4 + 3  # the moved tokens, its message, gen prompt
+    core.pool.decref(pins)
     for state in (turn, sibling):
         state.release(core, publish=False)
     core.flush()

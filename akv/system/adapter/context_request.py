@@ -10,8 +10,10 @@ the first decode step.
 Plans are in-place plans (:mod:`akv.system.cache.occurrence`): a resident version that nothing but
 this request reads (no other request, no other tree path, no earlier segment of the request) is
 re-rotated in its own slot and published at its new position; a copy is taken only where the old
-version must stay readable. A version another request locked after the draft was planned is copied
-instead (the draft is planned again at lock and at commit).
+version must stay readable. From its lock to its commit those versions are set aside
+(:meth:`akv.system.cache.core.CacheCore.reserve`): a request matched meanwhile does not read them at
+their old positions. A draft whose in-place version another request holds is planned again (it
+copies that version).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class AkvRequest:
         self.active: ActiveRequest | None = None
         self.first_usage: Usage | None = None
         self.pinned: np.ndarray | None = None
+        self.reserved: np.ndarray | None = None  # the pinned versions it rotates in place
         self.locks = 0
         self.segment = 0
         self.terminal_written = False
@@ -69,7 +72,8 @@ class AkvRequest:
         request could never be admitted."""
         if self.pinned is not None and self.draft is not None:
             return self.draft
-        if self.draft is None or self.draft.epoch != core.epoch or cold != self._cold:
+        if (self.draft is None or self.draft.epoch != core.epoch or cold != self._cold
+                or core.contested(self.draft) or core.reads_reserved(self.draft)):
             started = time.perf_counter()
             self.draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
             self._cold = cold
@@ -104,24 +108,18 @@ class AkvRequest:
         """SGLang's lock: hold the versions the draft borrows, so admission counts them as taken
         and nothing evicts them before :meth:`commit` (which allocates the copy slots)."""
         if self.active is None and self.pinned is None:
-            draft = self._uncontested(core, held=False)
+            draft = self.plan_draft(core, cold=self._cold)
             started = time.perf_counter()
             self.pinned = draft.plan.plan.borrowed
             core.pool.incref(self.pinned)
+            self.reserved = draft.plan.taken
+            core.reserve(self.reserved)
             self.admission_s += time.perf_counter() - started
-
-    def _uncontested(self, core: CacheCore, *, held: bool) -> Draft:
-        """The draft, planned again if another request locked a version it rotates in place since it
-        was planned (that request reads the old version: the new draft copies it)."""
-        draft = self.plan_draft(core, cold=self._cold)
-        if core.contested(draft, held=held):
-            self.draft = None
-            draft = self.plan_draft(core, cold=self._cold)
-        return draft
 
     def unlock(self, core: CacheCore) -> None:
         if self.pinned is not None:
             core.pool.decref(self.pinned)
+            core.unreserve(self.reserved)
             self.pinned = None
 
     def commit(self, core: CacheCore) -> None:
@@ -132,9 +130,9 @@ class AkvRequest:
         held = self.pinned is not None
         draft = self.draft if held else self.plan_draft(core, cold=self._cold)
         assert draft is not None
-        if core.contested(draft, held=held):
+        if core.contested(draft, held=held):  # a request matched before the lock reads the old version
             self.unlock(core)
-            draft, held = self._uncontested(core, held=False), False
+            draft, held = self.plan_draft(core, cold=self._cold), False
         started = time.perf_counter()
         self.active = core.commit(draft, held=held)
         self.unlock(core)

@@ -106,12 +106,14 @@ class AkvMetrics:
         logger.debug("AKV prefill %s: forwards=%d new=%d cached=%d repositioned=%d copy_slots=%d in_place=%d "
                      "wait_ms=%.3f rounds_ms=%.3f forward_ms=%.3f copy_ms=%.3f host_ms=%.3f admission_ms=%.3f", rid,
                      stats.forwards, new, plan.usage.cached_tokens, plan.usage.repos_tokens, copies, in_place,
-                     stats.wait_s * 1e3, stats.rounds_s * 1e3, forward_s * 1e3, copy_s * 1e3, stats.host_s * 1e3, admission_s * 1e3)
+                     stats.wait_s * 1e3, stats.rounds_s * 1e3, forward_s * 1e3, copy_s * 1e3, stats.host_s * 1e3,
+                     admission_s * 1e3)
         if not self.enabled:
             return
         for name, value in (("forwards", stats.forwards), ("new_tokens", new), ("cached_tokens", plan.usage.cached_tokens),
                             ("repositioned_tokens", plan.usage.repos_tokens), ("copy_slots", copies),
-                            ("in_place_tokens", in_place), ("wait_seconds", stats.wait_s), ("rounds_seconds", stats.rounds_s),
+                            ("in_place_tokens", in_place), ("wait_seconds", stats.wait_s),
+                            ("rounds_seconds", stats.rounds_s),
                             ("forward_seconds", forward_s), ("copy_seconds", copy_s), ("host_seconds", stats.host_s)):
             getattr(self, f"prefill_{name}").inc(value)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from akv.system.arrays import frozen
 from akv.system.cache.keys import RecordKey, program_key
 from akv.system.cache.occurrence import DraftPlan, bind_births, plan_occurrences
 from akv.system.cache.plan import MatchResult, RequestPlan
@@ -86,6 +87,8 @@ class CacheCore:
         self._evict = self._evict_tree if evict is None else evict
         self._rids = itertools.count()
         self._active: dict[int, ActiveRequest] = {}
+        self._reserved = np.zeros(pool.size, dtype=np.int64)
+        self._n_reserved = 0
 
     @property
     def active(self) -> int:
@@ -102,10 +105,39 @@ class CacheCore:
         ``in_place`` an in-place plan (:mod:`akv.system.cache.occurrence`); their in-place versions
         hold only while nothing else takes a reference before commit (:meth:`contested`)."""
         key = program_key(program, namespace)
-        match = MatchResult.empty() if cold else self.tree.match(key)
+        match = MatchResult.empty() if cold else self.resident(key)
         takeable = self.tree.exclusive(key, match) if (compact or in_place) and match.n_tokens else None
         plan = plan_occurrences(program, match, compact=compact, takeable=takeable)
         return Draft(program, key, match, plan, self.tree.epoch)
+
+    def resident(self, key: RecordKey) -> MatchResult:
+        """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
+        rotates them in place: they are resident for no one else)."""
+        match = self.tree.match(key)
+        if not self._n_reserved or not match.n_tokens:
+            return match
+        gone = (match.slots >= 0) & (self._reserved[np.maximum(match.slots, 0)] > 0)
+        if not gone.any():
+            return match
+        return MatchResult(match.n_tokens, match.n_records, frozen(np.where(gone, -1, match.slots), np.int64),
+                           frozen(np.where(gone, -1, match.positions), np.int64))
+
+    def reserve(self, slots: np.ndarray) -> None:
+        """Set aside tree versions a locked draft rotates in place, until :meth:`unreserve`: later
+        matches do not see them, so no request planned meanwhile reads their old positions."""
+        slots = np.asarray(slots, dtype=np.int64)
+        np.add.at(self._reserved, slots, 1)
+        self._n_reserved += slots.size
+
+    def unreserve(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int64)
+        np.subtract.at(self._reserved, slots, 1)
+        self._n_reserved -= slots.size
+
+    def reads_reserved(self, draft: Draft) -> bool:
+        """Whether ``draft`` reads a version set aside since it was planned (it must be planned again)."""
+        borrowed = draft.plan.plan.borrowed
+        return bool(self._n_reserved) and bool(borrowed.size) and bool((self._reserved[borrowed] > 0).any())
 
     def contested(self, draft: Draft, *, held: bool = False) -> bool:
         """Whether a version ``draft`` rotates in place is referenced by something else now (another
