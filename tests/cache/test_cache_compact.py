@@ -183,3 +183,82 @@ def test_compact_turns_and_a_sibling_match_the_oracle(tiny_qwen3: ReferenceModel
     assert core.active == 0 and core.pool.n_protected == 0
     core.flush()
     assert core.pool.n_free == pool_size
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversations(max_messages=8), conversations(max_messages=8))
+def test_in_place_plans_are_safe_in_one_forward(first: Conversation, second: Conversation) -> None:
+    """In-place plans (``in_place=True``, what the patched SGLang server runs: a request's segments
+    in one forward, all their copies before any segment's attention): every read holds the KV the
+    query needs, each computed token keeps its own birth slot, and no segment reads a slot that a
+    later segment rotates in place (in one forward it would read the rotated key); turn by turn, two
+    conversations, each turn twice, nothing leaks."""
+    kv = SimulatedKV()
+    pool = SlotPool(400, on_free=kv.forget)
+    core = CacheCore(pool)
+    intern = Interner()
+    order = [(c, t) for t in range(8) for c in (first, second) if t < c.n_turns for _ in range(2)]
+    for conv, turn in order:
+        program = conv.program(turn)
+        request = core.admit(program, in_place=True)
+        plan = request.plan
+        taken = _in_place(plan)
+        trace = kv.execute(plan, brute_layout(program, intern), pool, rewritable=taken)
+        assert trace.written == set(plan.fresh.tolist()) | taken
+        births = np.concatenate([s.slots for s in plan.segments]) if plan.segments else np.zeros(0, np.int64)
+        assert births.size == np.unique(births).size == int(plan.computed.sum())
+        read_before: set[int] = set()
+        for segment in plan.segments:
+            rotated = {int(d) for s, d in zip(segment.copies.src, segment.copies.dst) if s == d}
+            assert not rotated & read_before, "an earlier segment of the forward reads a slot rotated in place"
+            read_before |= set(segment.prefix_slots.tolist()) | set(segment.copies.src.tolist())
+        reply = conv.reply(turn)
+        slots = core.allocate(reply.size)
+        kv.write_generated(slots, brute_layout(append_generated(program, reply), intern), program.n_tokens, pool)
+        core.finish(request, reply, slots)
+    core.flush()
+    assert pool.n_free == pool.size and not kv.content
+
+
+def test_an_in_place_plan_takes_no_copy_slot_and_keeps_its_births() -> None:
+    """The hand-counted turn 3 of the first test, planned in place: the same two slots (message 3's
+    births), tokens 4, 5 rotated where they are; a request that locked them first makes the draft
+    contested (a later commit would raise), a draft planned after that copies them, and so does one
+    planned once that reader has published its path."""
+    pool = SlotPool(64)
+    core = CacheCore(pool)
+    core.finish(core.admit(Conversation(MESSAGES, {}, ()).program(2)))
+    program = Conversation(MESSAGES, {2: (1,)}, (2,)).program(3)
+    draft = core.match(program, in_place=True)
+    assert draft.n_births == 2 and draft.n_copy_slots == 0
+    assert sorted(draft.plan.taken.tolist()) == sorted(draft.match.slots[[4, 5], 0].tolist())
+    assert core.match(program).n_copy_slots == 2, "without in_place: two copy slots"
+    reader = core.admit(Conversation(MESSAGES, {}, ()).program(3))
+    assert core.contested(draft)
+    again = core.match(program, in_place=True)
+    assert not core.contested(again) and again.plan.taken.size == 0 and again.n_copy_slots == 2
+    core.finish(reader)
+    free = pool.n_free
+    request = core.admit(program, in_place=True)
+    assert free - pool.n_free == 4 and not _in_place(request.plan), "the reader's published path reads 4, 5 at 4, 5"
+    core.finish(request)
+
+
+def test_reserved_versions_are_resident_for_no_other_match() -> None:
+    """While a locked draft holds versions it will rotate in place (``reserve``), a plain match stops
+    before them and a context match plans their tokens as recomputed; ``unreserve`` gives them back."""
+    from akv.system.cache import plain
+
+    core = CacheCore(SlotPool(64))
+    first = Conversation(MESSAGES, {}, ()).program(2)
+    core.finish(core.admit(first))
+    draft = core.match(Conversation(MESSAGES, {2: (1,)}, (2,)).program(3), in_place=True)
+    reader = Conversation(MESSAGES, {}, ()).program(3)
+    assert plain.resident_prefix(core, first.token_ids, "").size == first.n_tokens
+    assert not core.match(reader).plan.plan.computed[:first.n_tokens].any()
+    core.reserve(draft.plan.taken)
+    assert plain.resident_prefix(core, first.token_ids, "").size == 4  # tokens 4, 5 set aside
+    assert core.match(reader).plan.plan.computed[[4, 5]].all()
+    assert not np.isin(core.match(reader).plan.plan.borrowed, draft.plan.taken).any()
+    core.unreserve(draft.plan.taken)
+    assert plain.resident_prefix(core, first.token_ids, "").size == first.n_tokens

@@ -119,11 +119,51 @@ def matrix() -> list[list[Request]]:
     waves.append([trunk.copy().drop(2).reposition().add(5).request("branch-b")])
     # a 10-turn tool conversation, one request per turn
     waves.extend([r] for r in tool_conversation(6, 10, "tool"))
+    waves.extend(in_place_waves())
     # concurrent context and plain requests (distinct conversations: no reuse between them)
     waves.append([Conversation(7).add(9, 8, 7).drop(1).reposition().request("mixed-ctx-a", max_new=6),
                   Conversation(8).add(7, 7, 7, 7).request("mixed-plain", plain=True, max_new=6),
                   Conversation(9).add(8, 5, 9, 4).drop(2).request("mixed-ctx-b", max_new=6)])
     return waves
+
+
+def in_place_turns(seed: int, prefix: str) -> tuple[Conversation, list[Request]]:
+    """A first turn (6, 9, 7, 8 tokens and the generation prompt; one new token, so nothing generated
+    is cached), the next turn over exactly that text (its generation prompt now a message) with message
+    1 dropped and the rest repositioned (18 resident tokens move from 15..32 to 6..23) and 5 + 3 new
+    tokens, and the turn after it, 4 + 3 new tokens and no new operation. The conversation holds
+    the first turn's text."""
+    conv = Conversation(seed).add(6, 9, 7, 8)
+    first = conv.request(f"{prefix}-1", max_new=1)
+    gen = list(first.ids[-GEN_PROMPT:])
+    second = conv.copy()
+    second.messages.append(gen)
+    second.drop(1).reposition().add(5)
+    third = second.copy()
+    third.messages.append(gen)
+    third.add(4)
+    return conv, [first, second.request(f"{prefix}-2", max_new=1), third.request(f"{prefix}-3", max_new=4)]
+
+
+def in_place_waves() -> list[list[Request]]:
+    """One request per wave: a conversation whose second turn rotates its resident KV in place (nothing
+    else reads the old positions) and whose third reads it as cached; another whose first turn has a
+    sibling branch, published before and sent again after the repositioning turn, still reading the
+    old positions (that turn must copy); a third whose repositioning turn and such a sibling arrive
+    in one wave (the sibling first)."""
+    _, inplace = in_place_turns(100, "inplace")
+    sib, sibling = in_place_turns(101, "sibling")
+    reader = sib.copy()
+    reader.messages.append(list(sibling[0].ids[-GEN_PROMPT:]))
+    reader.add(4)
+    read = reader.request("sibling-reader", max_new=1)
+    again = Request("sibling-reader-again", read.ids, read.program, max_new=4)
+    race_conv, race = in_place_turns(102, "race")
+    racer = race_conv.copy()
+    racer.messages.append(list(race[0].ids[-GEN_PROMPT:]))
+    racer.add(4)
+    return ([[r] for r in inplace] + [[sibling[0]], [read], [sibling[1]], [again]]
+            + [[race[0]], [racer.request("race-reader", max_new=4), race[1]]])
 
 
 def retraction_waves() -> list[list[Request]]:
@@ -144,10 +184,22 @@ def pressure_waves() -> list[list[Request]]:
 def copy_budget_waves() -> list[list[Request]]:
     """Two warm conversations, then in one wave a turn of each that drops message 1 and
     repositions: 13 births and 40 re-rotation copies each. A 216-slot pool holds either turn but not
-    both at once: the second must wait because of its copies (its births alone would fit)."""
+    both at once: the second must wait because of its copies (its births alone would fit).
+    Then two more conversations of 100 tokens each, and in one wave a turn of each over exactly that
+    text that drops message 1 (20 tokens) and repositions the 70 after it, which nothing else reads:
+    rotated in place, each turn holds 80 resident and 8 new slots, and both fit at once (with 70
+    copies each they would not)."""
     warm = [Conversation(seed).add(20, 20, 20, 20) for seed in (30, 31)]
+    fresh = [Conversation(seed).add(10, 20, 20, 47) for seed in (35, 36)]
+    firsts = [c.request(f"budget-first-{i}", max_new=1) for i, c in enumerate(fresh)]
+    turns = []
+    for i, (c, first) in enumerate(zip(fresh, firsts)):
+        turn = c.copy()
+        turn.messages.append(list(first.ids[-GEN_PROMPT:]))
+        turns.append(turn.drop(1).reposition().add(5).request(f"budget-in-place-{i}", max_new=1))
     return [[c.request(f"budget-warm-{i}", plain=True) for i, c in enumerate(warm)],
-            [c.copy().drop(1).reposition().add(10).request(f"budget-turn-{i}") for i, c in enumerate(warm)]]
+            [c.copy().drop(1).reposition().add(10).request(f"budget-turn-{i}") for i, c in enumerate(warm)],
+            firsts, turns]
 
 
 def segment_join_waves() -> list[list[Request]]:

@@ -109,7 +109,9 @@ class Audit:
 
     def _finish(self, request: Any, ids: Any, slots: Any) -> None:
         brute = self.brute_layout(request.program, self.intern)
-        self.kv.execute(request.resolved_plan(), brute, self.pool)
+        plan = request.resolved_plan()
+        in_place = {int(s) for job in plan.copies for s, d in zip(job.src, job.dst) if s == d}
+        self.kv.execute(plan, brute, self.pool, rewritable=in_place)
         if slots is not None and len(slots):
             grown = self.brute_layout(self.append_generated(request.program, self.np.asarray(ids)), self.intern)
             self.kv.write_generated(self.np.asarray(slots), grown, request.program.n_tokens, self.pool)

@@ -73,13 +73,14 @@ def assert_exact(model: ReferenceModel, request: Request, result: dict[str, Any]
 
 def expected_usage(waves: list[list[Request]], report: dict, *, cold: bool = False) -> dict[str, dict[str, int]]:
     """Each request's usage from the cache core itself, replaying the served sequence (each wave
-    admitted, then finished with its KV'd generated tokens, as the reference server does)."""
+    admitted, then finished with its KV'd generated tokens, as the reference server does), planned
+    as the patched server plans (resident KV no one else reads rotated in place)."""
     core = CacheCore(SlotPool(1 << 16))
     usage = {}
     for wave in waves:
         admitted = []
         for request in wave:
-            active = (CacheCore(SlotPool(1 << 12)) if cold else core).admit(_program(request))
+            active = (CacheCore(SlotPool(1 << 12)) if cold else core).admit(_program(request), in_place=True)
             usage[request.rid] = active.plan.usage.as_dict()
             admitted.append((request, active))
         for request, active in admitted:
@@ -127,6 +128,40 @@ def test_matrix_usage_equals_the_cache_cores_accounting(matrix_run: tuple[list, 
 
 def test_matrix_leaves_the_pool_as_it_found_it(matrix_run: tuple[list, dict]) -> None:
     assert_pool_back(matrix_run[1])
+
+
+def test_a_reposition_rotates_resident_kv_in_place(matrix_run: tuple[list, dict]) -> None:
+    """Issue #28: a turn that repositions resident KV nothing else reads rotates it where it is (the
+    pool grows by its new tokens only: the conversation holds one slot per text token, its live
+    tokens and the dropped message the tree keeps for its path), and the next turn reads the rotated
+    KV as cached; a turn whose old positions a sibling branch still reads copies them (and the
+    sibling, sent again, reads them). Exactness of every turn: the matrix's oracle test."""
+    waves, report = matrix_run
+    wave_of = {r.rid: i for i, wave in enumerate(waves) for r in wave}
+    request = {r.rid: r for wave in waves for r in wave}
+    held = [p["total"] - p["available"] for p in (w["pool"] for w in report["waves"])]
+    assert all(w["pool"]["protected"] == 0 for w in report["waves"])
+
+    def grew(rid: str) -> int:
+        return held[wave_of[rid]] - held[wave_of[rid] - 1]
+
+    def text(rid: str) -> int:
+        return len(request[rid].ids)
+
+    first, second, third = (f"inplace-{t}" for t in (1, 2, 3))
+    new_tokens = text(second) - text(first)  # message 5 and the generation prompt
+    assert grew(first) == text(first)
+    assert grew(second) == new_tokens, "the 18 repositioned tokens must be rotated in place, not copied"
+    assert held[wave_of[second]] - held[wave_of[first] - 1] == text(second)
+    usage = reported_usage(request[third], report["results"][third])
+    live = text(second) - 9  # message 1 (9 tokens) dropped
+    assert usage["repos_tokens"] == 0 and usage["cached_tokens"] == live, usage
+    assert grew(third) == text(third) - text(second) + request[third].max_new - 1
+    moved = 7 + 8 + 3  # messages 2, 3 and the first turn's generation prompt
+    assert grew("sibling-reader") == text("sibling-reader") - text("sibling-1")
+    assert grew("sibling-2") == new_tokens + moved, "a sibling reads the old positions: they must be copied"
+    again = reported_usage(request["sibling-reader-again"], report["results"]["sibling-reader-again"])
+    assert again["repos_tokens"] == 0 and again["cached_tokens"] == text("sibling-reader") - again["computed_tokens"]
 
 
 def test_flashinfer_plans_read_the_same_visible_kv(matrix_run: tuple[list, dict]) -> None:
@@ -207,7 +242,9 @@ def test_requests_that_cannot_fit_now_wait_and_are_exact(patched_site: Path, tin
 def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     """Two turns sent together whose births fit the pool but whose births and re-rotation copies do
     not: the second waits for the first (instead of the scheduler running out of memory) and both
-    are exact; FlashInfer's lists planned for the same forwards read the same KV as triton's."""
+    are exact; FlashInfer's lists planned for the same forwards read the same KV as triton's. Two
+    turns that would not fit together with copies but rotate their resident KV in place are not
+    made to wait for copies they do not take (issue #28): they share one forward."""
     waves = scenarios.copy_budget_waves()
     report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64, max_total_tokens=216,
                    flashinfer_probe=True)
@@ -218,6 +255,8 @@ def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, ora
             assert_exact(oracle_model, request, report["results"][request.rid])
     turns = [r.rid for r in waves[1]]
     assert not any(set(turns) <= set(b) for b in report["batches"]), "both turns ran in one forward"
+    in_place = [r.rid for r in waves[3]]
+    assert any(set(in_place) <= set(b) for b in report["batches"]), "the in-place turns waited for copies"
     assert_pool_back(report)
 
 

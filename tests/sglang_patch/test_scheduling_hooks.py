@@ -243,3 +243,64 @@ def test_a_round_stops_before_a_segment_whose_copies_reuse_a_slot_the_round_read
     assert np.isin(last.copies.dst, read_before).any(), "the case in point: the last segment recycles a copy slot"
     _fill(req, prog, 0)
     assert cap_extend(req) and req.extend_range.end == last.start
+
+
+def _in_place_turn() -> tuple[CacheCore, object, object]:
+    """A first turn in the tree and the next turn over exactly its text that drops message 1 and
+    repositions what follows (resident KV nothing else reads), and a sibling that reads it unmoved."""
+    conv = Conversation(150).add(6, 9, 7, 8)
+    first = conv.request("first", max_new=1)
+    turn, sibling = conv.copy(), conv.copy()
+    for c in (turn, sibling):
+        c.messages.append(list(first.ids[-3:]))
+    core = CacheCore(SlotPool(1000))
+    core.finish(core.admit(first.program))
+    return core, turn.drop(1).reposition().add(5).request("turn").program, sibling.add(4).request("sibling").program
+
+
+@pytest.mark.parametrize("order", ["sibling locks first", "sibling planned after the lock",
+                                   "sibling planned before the lock, locked after", "plain pin before the commit"])
+def test_versions_a_request_rotates_in_place_are_read_by_no_one_else(order: str) -> None:
+    """The turn's draft rotates 18 resident tokens in place and takes no copy slot; a sibling reads
+    them at their old positions. A sibling locked first makes the turn copy them (planned again at its
+    lock). Once the turn is locked they are set aside: a sibling planned then, or planned before and
+    locked after, recomputes them instead, and the turn rotates them in place. A reference taken
+    between lock and commit outside the drafts (a plain request's lock) makes the commit plan again
+    and copy. Nothing raises, and releasing everything frees every slot."""
+    core, turn_program, sibling_program = _in_place_turn()
+    turn, sibling = AkvRequest(turn_program), AkvRequest(sibling_program)
+    draft = turn.plan_draft(core)
+    taken = draft.plan.taken
+    assert draft.n_copy_slots == 0 and taken.size == 18
+    pins = []
+    if order == "sibling locks first":
+        sibling.lock(core)
+        turn.lock(core)
+    elif order == "sibling planned after the lock":
+        turn.lock(core)
+        sibling.lock(core)
+    elif order == "sibling planned before the lock, locked after":
+        sibling.plan_draft(core)
+        turn.lock(core)
+        sibling.lock(core)
+    else:
+        turn.lock(core)
+        pins = taken
+        core.pool.incref(pins)
+    turn.commit(core)
+    if order != "plain pin before the commit":
+        sibling.commit(core)
+    copies = [job for job in turn.active.plan.copies if job.size]
+    in_place = sum(int((job.src == job.dst).sum()) for job in copies)
+    moved = sum(job.size for job in copies)
+    if order in ("sibling locks first", "plain pin before the commit"):
+        assert moved == 18 and in_place == 0
+    else:
+        assert moved == in_place == 18
+        assert not np.isin(sibling.active.plan.borrowed, taken).any()
+        assert sibling.active.plan.computed.sum() == 18 + 4 + 3  # the moved tokens, its message, gen prompt
+    core.pool.decref(pins)
+    for state in (turn, sibling):
+        state.release(core, publish=False)
+    core.flush()
+    assert core.pool.n_free == core.pool.size

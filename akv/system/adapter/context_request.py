@@ -6,6 +6,14 @@ attention entry, :mod:`akv.system.adapter.batch_metadata`); it gets, as its pref
 first segment ``s`` reads for the columns before ``lo`` (zeros where nothing is visible) and writes
 its births into ``[lo, hi)``. Generation reads the terminal view, written into the row once before
 the first decode step.
+
+Plans are in-place plans (:mod:`akv.system.cache.occurrence`): a resident version that nothing but
+this request reads (no other request, no other tree path, no earlier segment of the request) is
+re-rotated in its own slot and published at its new position; a copy is taken only where the old
+version must stay readable. From its lock to its commit those versions are set aside
+(:meth:`akv.system.cache.core.CacheCore.reserve`): a request matched meanwhile does not read them at
+their old positions. A draft whose in-place version another request holds is planned again (it
+copies that version).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class AkvRequest:
         self.active: ActiveRequest | None = None
         self.first_usage: Usage | None = None
         self.pinned: np.ndarray | None = None
+        self.reserved: np.ndarray | None = None  # the pinned versions it rotates in place
         self.locks = 0
         self.segment = 0
         self.terminal_written = False
@@ -63,9 +72,10 @@ class AkvRequest:
         request could never be admitted."""
         if self.pinned is not None and self.draft is not None:
             return self.draft
-        if self.draft is None or self.draft.epoch != core.epoch or cold != self._cold:
+        if (self.draft is None or self.draft.epoch != core.epoch or cold != self._cold
+                or core.contested(self.draft) or core.reads_reserved(self.draft)):
             started = time.perf_counter()
-            self.draft = core.match(self.program, self.namespace, cold=cold)
+            self.draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
             self._cold = cold
             if not cold and room is not None and _holds(self.draft, core.pool) > room:
                 self.draft = core.match(self.program, self.namespace, cold=True)
@@ -102,11 +112,14 @@ class AkvRequest:
             started = time.perf_counter()
             self.pinned = draft.plan.plan.borrowed
             core.pool.incref(self.pinned)
+            self.reserved = draft.plan.taken
+            core.reserve(self.reserved)
             self.admission_s += time.perf_counter() - started
 
     def unlock(self, core: CacheCore) -> None:
         if self.pinned is not None:
             core.pool.decref(self.pinned)
+            core.unreserve(self.reserved)
             self.pinned = None
 
     def commit(self, core: CacheCore) -> None:
@@ -117,6 +130,9 @@ class AkvRequest:
         held = self.pinned is not None
         draft = self.draft if held else self.plan_draft(core, cold=self._cold)
         assert draft is not None
+        if core.contested(draft, held=held):  # a request matched before the lock reads the old version
+            self.unlock(core)
+            draft, held = self.plan_draft(core, cold=self._cold), False
         started = time.perf_counter()
         self.active = core.commit(draft, held=held)
         self.unlock(core)

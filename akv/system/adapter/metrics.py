@@ -44,6 +44,7 @@ _COUNTERS = {
     "prefill_cached_tokens": "Prompt tokens context requests' prefills read as stored.",
     "prefill_repositioned_tokens": "Prompt tokens context requests' prefills read through re-rotated copies.",
     "prefill_copy_slots": "KV slots allocated for re-rotated copies by context requests' prefills.",
+    "prefill_in_place_tokens": "Resident KV entries context requests' prefills re-rotated in their own slots.",
     "prefill_wait_seconds": "Seconds context requests waited in the queue before admission.",
     "prefill_rounds_seconds": "Seconds from a context request's first prefill round to its last.",
     "prefill_forward_seconds": "Device seconds of the prefill forwards that carried context requests (per request).",
@@ -99,17 +100,20 @@ class AkvMetrics:
             return
         plan = state.active.plan
         new = int(np.count_nonzero(plan.computed))
-        copies = sum(job.size for job in plan.copies)
+        in_place = sum(int(np.count_nonzero(job.src == job.dst)) for job in plan.copies)
+        copies = sum(job.size for job in plan.copies) - in_place
         forward_s, copy_s = stats.device_seconds() if self.timing() else (0.0, 0.0)
-        logger.debug("AKV prefill %s: forwards=%d new=%d cached=%d repositioned=%d copy_slots=%d wait_ms=%.3f "
-                     "rounds_ms=%.3f forward_ms=%.3f copy_ms=%.3f host_ms=%.3f admission_ms=%.3f", rid,
-                     stats.forwards, new, plan.usage.cached_tokens, plan.usage.repos_tokens, copies, stats.wait_s * 1e3,
-                     stats.rounds_s * 1e3, forward_s * 1e3, copy_s * 1e3, stats.host_s * 1e3, admission_s * 1e3)
+        logger.debug("AKV prefill %s: forwards=%d new=%d cached=%d repositioned=%d copy_slots=%d in_place=%d "
+                     "wait_ms=%.3f rounds_ms=%.3f forward_ms=%.3f copy_ms=%.3f host_ms=%.3f admission_ms=%.3f", rid,
+                     stats.forwards, new, plan.usage.cached_tokens, plan.usage.repos_tokens, copies, in_place,
+                     stats.wait_s * 1e3, stats.rounds_s * 1e3, forward_s * 1e3, copy_s * 1e3, stats.host_s * 1e3,
+                     admission_s * 1e3)
         if not self.enabled:
             return
         for name, value in (("forwards", stats.forwards), ("new_tokens", new), ("cached_tokens", plan.usage.cached_tokens),
                             ("repositioned_tokens", plan.usage.repos_tokens), ("copy_slots", copies),
-                            ("wait_seconds", stats.wait_s), ("rounds_seconds", stats.rounds_s),
+                            ("in_place_tokens", in_place), ("wait_seconds", stats.wait_s),
+                            ("rounds_seconds", stats.rounds_s),
                             ("forward_seconds", forward_s), ("copy_seconds", copy_s), ("host_seconds", stats.host_s)):
             getattr(self, f"prefill_{name}").inc(value)
 

@@ -11,8 +11,9 @@
 :meth:`CacheCore.admit` does match, commit and every birth at once (engines that allocate up front);
 with ``compact`` it plans for an engine that runs the steps in order (births recycled, tree versions
 no one else reads rotated in place: :mod:`akv.system.cache.occurrence`), so the request allocates
-its largest live set, not its whole text plus copies. Slots are freed only when nothing references
-them.
+its largest live set, not its whole text plus copies; with ``in_place`` (an engine that runs a
+request's segments in one forward) only the tree versions are rotated in place, births keep their own
+slots. Slots are freed only when nothing references them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from akv.system.arrays import frozen
 from akv.system.cache.keys import RecordKey, program_key
 from akv.system.cache.occurrence import DraftPlan, bind_births, plan_occurrences
 from akv.system.cache.plan import MatchResult, RequestPlan
@@ -85,6 +87,8 @@ class CacheCore:
         self._evict = self._evict_tree if evict is None else evict
         self._rids = itertools.count()
         self._active: dict[int, ActiveRequest] = {}
+        self._reserved = np.zeros(pool.size, dtype=np.int64)
+        self._n_reserved = 0
 
     @property
     def active(self) -> int:
@@ -95,15 +99,52 @@ class CacheCore:
         return self.tree.epoch
 
     def match(self, program: ContextProgram, namespace: str = "", *, cold: bool = False,
-              compact: bool = False) -> Draft:
+              compact: bool = False, in_place: bool = False) -> Draft:
         """Match ``program`` against the tree and plan it; takes nothing. ``cold`` plans as if the
         tree were empty (everything recomputed); ``compact`` makes a compact plan (module docstring),
-        whose in-place versions hold only while nothing else takes a reference before commit."""
+        ``in_place`` an in-place plan (:mod:`akv.system.cache.occurrence`); their in-place versions
+        hold only while nothing else takes a reference before commit (:meth:`contested`)."""
         key = program_key(program, namespace)
-        match = MatchResult.empty() if cold else self.tree.match(key)
-        takeable = self.tree.exclusive(key, match) if compact and match.n_tokens else None
+        match = MatchResult.empty() if cold else self.resident(key)
+        takeable = self.tree.exclusive(key, match) if (compact or in_place) and match.n_tokens else None
         plan = plan_occurrences(program, match, compact=compact, takeable=takeable)
         return Draft(program, key, match, plan, self.tree.epoch)
+
+    def resident(self, key: RecordKey) -> MatchResult:
+        """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
+        rotates them in place: they are resident for no one else)."""
+        match = self.tree.match(key)
+        if not self._n_reserved or not match.n_tokens:
+            return match
+        gone = (match.slots >= 0) & (self._reserved[np.maximum(match.slots, 0)] > 0)
+        if not gone.any():
+            return match
+        return MatchResult(match.n_tokens, match.n_records, frozen(np.where(gone, -1, match.slots), np.int64),
+                           frozen(np.where(gone, -1, match.positions), np.int64))
+
+    def reserve(self, slots: np.ndarray) -> None:
+        """Set aside tree versions a locked draft rotates in place, until :meth:`unreserve`: later
+        matches do not see them, so no request planned meanwhile reads their old positions."""
+        slots = np.asarray(slots, dtype=np.int64)
+        np.add.at(self._reserved, slots, 1)
+        self._n_reserved += slots.size
+
+    def unreserve(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int64)
+        np.subtract.at(self._reserved, slots, 1)
+        self._n_reserved -= slots.size
+
+    def reads_reserved(self, draft: Draft) -> bool:
+        """Whether ``draft`` reads a version set aside since it was planned (it must be planned again)."""
+        borrowed = draft.plan.plan.borrowed
+        return bool(self._n_reserved) and bool(borrowed.size) and bool((self._reserved[borrowed] > 0).any())
+
+    def contested(self, draft: Draft, *, held: bool = False) -> bool:
+        """Whether a version ``draft`` rotates in place is referenced by something else now (another
+        request locked it since the draft was planned; ``held``: the caller holds one reference on
+        each of the draft's borrowed versions): committing it would raise."""
+        taken = draft.plan.taken
+        return bool(taken.size) and bool((self.pool.request_refs(taken) > (1 if held else 0)).any())
 
     def commit(self, draft: Draft, *, held: bool = False) -> ActiveRequest:
         """Reference the draft's borrowed versions and allocate its copy slots (evicting as needed).
@@ -117,7 +158,7 @@ class CacheCore:
         if not held and draft.epoch != self.tree.epoch:
             raise RequestStateError(f"draft: planned at tree epoch {draft.epoch}, the tree is at {self.tree.epoch}")
         taken = draft.plan.taken
-        if taken.size and (self.pool.request_refs(taken) > (1 if held else 0)).any():
+        if self.contested(draft, held=held):
             raise RequestStateError("draft: a version it rotates in place was referenced since it was planned")
         borrowed = draft.plan.plan.borrowed
         n_births = draft.n_births if with_births else 0
@@ -149,10 +190,12 @@ class CacheCore:
         self.pool.adopt(slots)
         request.births[tokens] = slots
 
-    def admit(self, program: ContextProgram, namespace: str = "", *, compact: bool = False) -> ActiveRequest:
-        """Match, commit and allocate every birth (``compact``: a compact plan, module docstring). The
+    def admit(self, program: ContextProgram, namespace: str = "", *, compact: bool = False,
+              in_place: bool = False) -> ActiveRequest:
+        """Match, commit and allocate every birth (``compact`` / ``in_place``: as :meth:`match`). The
         returned plan has only real slots, and its ``fresh`` lists the copy slots and the births."""
-        return self._commit(self.match(program, namespace, compact=compact), False, with_births=True)
+        draft = self.match(program, namespace, compact=compact, in_place=in_place)
+        return self._commit(draft, False, with_births=True)
 
     def allocate(self, n: int) -> np.ndarray:
         """``n`` fresh slots owned by the caller, evicting tree KV first if the pool is short (and

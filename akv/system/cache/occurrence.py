@@ -29,6 +29,11 @@ the request's largest live set at once:
   before the attention of earlier segments when an engine batches several segments into one
   forward). Recycled births are not safe there: an engine that writes several segments' births in
   one forward must not use a compact plan.
+
+An *in-place* plan (``takeable`` given, ``compact`` off) rotates takeable versions in place by the
+same rule but keeps every birth in its own slot: safe for an engine that runs several segments of a
+request in one forward (all their births written, then all their copies, then each segment's
+attention), as the patched SGLang server does.
 """
 
 from __future__ import annotations
@@ -134,12 +139,13 @@ def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
 def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bool = False,
                      takeable: np.ndarray | None = None) -> DraftPlan:
     """Plan ``program`` against the versions ``match`` found resident; ``compact`` (module docstring)
-    recycles births and rotates in place the versions ``takeable`` (``match.slots``' shape) marks."""
+    recycles births; the versions ``takeable`` (``match.slots``' shape) marks are rotated in place
+    (compact or not: an in-place plan, module docstring)."""
     if match.n_tokens > program.n_tokens:
         raise ValueError(f"match: {match.n_tokens} matched tokens exceed the program's {program.n_tokens}")
     resident = match.resident
     computed = needed_queries(program, resident)
-    table = _VersionTable(program, match, compact, takeable)
+    table = _VersionTable(program, match, takeable)
     stages = StagePositions(program)
     segments = []
     for step, span in enumerate(segment_spans(program, computed)):
@@ -272,8 +278,7 @@ class _VersionTable:
     own per token: the birth version it computed and the latest copy it made. Positions only ever
     decrease from stage to stage, so an older copy is never read again by a later step."""
 
-    def __init__(self, program: ContextProgram, match: MatchResult, compact: bool = False,
-                 takeable: np.ndarray | None = None) -> None:
+    def __init__(self, program: ContextProgram, match: MatchResult, takeable: np.ndarray | None = None) -> None:
         n, m = program.n_tokens, match.n_tokens
         tree_width = match.slots.shape[1]
         self.birth_col, self.copy_col = tree_width, tree_width + 1
@@ -283,7 +288,7 @@ class _VersionTable:
         self.positions[:m, :tree_width] = np.where(match.slots >= 0, match.positions, _EMPTY)
         self.used = np.zeros(self.slots.shape, dtype=bool)
         self.takeable: np.ndarray | None = None
-        if compact and takeable is not None and m:
+        if takeable is not None and m:
             self.takeable = np.zeros(self.slots.shape, dtype=bool)
             self.takeable[:m, :tree_width] = takeable & (match.slots >= 0)
         self._taken: list[np.ndarray] = []

@@ -12,7 +12,7 @@ from akv.system.cache.keys import plain_key
 
 def resident_prefix(core: CacheCore, ids: np.ndarray, namespace: str) -> np.ndarray:
     """Slots of the longest prefix of ``ids`` resident at the tokens' own positions (0, 1, ...)."""
-    match = core.tree.match(plain_key(ids, namespace))
+    match = core.resident(plain_key(ids, namespace))
     exact = (match.slots >= 0) & (match.positions == np.arange(match.n_tokens)[:, None])
     found = exact.any(axis=1)
     n = int(np.argmin(found)) if not found.all() else found.size
