@@ -305,7 +305,22 @@ class _VersionTable:
         self, tokens: np.ndarray, positions: np.ndarray, step: int, *, pinned: bool = False
     ) -> tuple[np.ndarray, CopyJob]:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
-        version exists (``pinned`` copies live to the end)."""
+        version exists (``pinned`` copies live to the end). Reads that find the tree's first version
+        (most of a next turn's: the KV as stored) are taken without gathering the other versions."""
+        first = self.positions[tokens, 0] == positions if self.birth_col else np.zeros(tokens.size, dtype=bool)
+        if not first.any():
+            return self._resolve(tokens, positions, step, pinned)
+        out = self.slots[tokens, 0]
+        self.used[tokens[first], 0] = True
+        self.read[tokens[first]] = True
+        rest = np.flatnonzero(~first)
+        job = CopyJob(*(frozen(np.zeros(0, np.int64), np.int64),) * 5)
+        if rest.size:
+            out[rest], job = self._resolve(tokens[rest], positions[rest], step, pinned)
+        return frozen(out, np.int64), job
+
+    def _resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int, pinned: bool) -> tuple[np.ndarray, CopyJob]:
+        """:meth:`resolve` over every version of each token."""
         slots, held = np.take(self.slots, tokens, axis=0), np.take(self.positions, tokens, axis=0)
         exact = held == positions[:, None]  # an empty cell holds position -1, never read
         found, col = first_true(exact)
