@@ -555,5 +555,8 @@ def _pad(arr: np.ndarray, width: int) -> np.ndarray:
 
 
 def _widen(arr: np.ndarray) -> np.ndarray:
-    return np.concatenate([arr, np.full((arr.shape[0], 1), _EMPTY, dtype=arr.dtype)], axis=1)
+    out = np.empty((arr.shape[0], arr.shape[1] + 1), dtype=arr.dtype)
+    out[:, :-1] = arr
+    out[:, -1] = _EMPTY
+    return out
 
