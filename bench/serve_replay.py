@@ -9,7 +9,8 @@ trajectory's own assistant message, not the server's output. Every conversation 
 starts with its own tag (a few filler tokens, counted), so no run reads another's KV even where
 `POST /flush_cache` (sent before each run) is refused. Reports output and input throughput over
 the run's wall time, P50/P95 request latency and TTFT, the served cached / re-rotated / skipped
-tokens, and KV pool usage sampled from `GET /metrics` (servers started with `--enable-metrics`);
+tokens, KV pool usage sampled from `GET /metrics` (servers started with `--enable-metrics`) and, from
+the patched server's counters, where its time per context request went (`akv_per_request`);
 writes JSON (with the exact command) and a markdown table next to it (.md) after every run. A
 request the server refuses (e.g. a full-context prompt past the window) ends its conversation and
 counts as `failed`.
