@@ -1,5 +1,5 @@
 """Record keys: plain requests keep plain token keys; event histories separate identical text; a key's
-tokens as runs of consecutive records (what the tree copies rows by) and the row-wise mask search."""
+versions spread to its records, and the row-wise mask search."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from akv.system.cache.keys import DROP_CLOSE, DROP_OPEN, REPOS, CacheKeyError, RecordKey, plain_key, program_key
+from akv.system.cache.keys import DROP_CLOSE, DROP_OPEN, REPOS, CacheKeyError, plain_key, program_key
 
 from .conversations import Conversation
 
@@ -79,27 +79,18 @@ def test_bad_token_ids_are_named(bad: np.ndarray, message: str) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(1, 3), st.data())
-def test_runs_and_their_row_copies_match_indexing_by_token_record(gaps: list[int], width: int, data) -> None:
-    """``RecordKey.runs`` and the tree's run-wise row copies (``_rows``, ``_spread``) against plain fancy
-    indexing by ``token_record``: token ``i`` is preceded by ``gaps[i]`` event records."""
-    from akv.system.cache.tree import _rows, _spread
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(0, 2), st.integers(1, 3))
+def test_rows_spread_to_their_records_as_by_fancy_indexing(gaps: list[int], tail: int, width: int) -> None:
+    """The tree's per-record rows of a key's versions (``_spread``) against fancy-index assignment by
+    ``token_record``: token ``i`` is preceded by ``gaps[i]`` event records, ``tail`` more end the key."""
+    from akv.system.cache.tree import _spread
 
     token_record = np.cumsum(np.asarray(gaps, dtype=np.int64) + 1) - 1
-    n_records = int(token_record[-1]) + 1 + data.draw(st.integers(0, 2)) if gaps else data.draw(st.integers(0, 2))
-    key = RecordKey(np.zeros(n_records, np.int64), token_record)
-    n = data.draw(st.integers(0, len(gaps)))
-    runs = key.runs(n)
-    assert np.concatenate([np.arange(r, r + k) for _, r, k in runs] or [np.zeros(0, np.int64)]).tolist() \
-        == token_record[:n].tolist()
-    assert [t for t, _, _ in runs] == sorted({t for t, _, _ in runs}) and len(runs) <= n
-    rng = np.random.default_rng(n + width)
-    table = rng.integers(-1, 50, size=(n_records, width))
-    assert np.array_equal(_rows(table, runs, n), table[token_record[:n]])
-    values = rng.integers(-1, 50, size=(len(gaps), width))
+    n_records = (int(token_record[-1]) + 1 if gaps else 0) + tail
+    values = np.random.default_rng(len(gaps) + width).integers(-1, 50, size=(len(gaps), width))
     expected = np.full((n_records, width), -1, dtype=np.int64)
     expected[token_record] = values
-    assert np.array_equal(_spread(values, key.runs(), n_records), expected)
+    assert np.array_equal(_spread(values, token_record, n_records), expected)
 
 
 @settings(max_examples=200, deadline=None)

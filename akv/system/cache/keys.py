@@ -47,16 +47,6 @@ class RecordKey:
         """How many tokens have their record (and hence their whole history) in ``records[:n_records]``."""
         return int(np.searchsorted(self.token_record, n_records, side="left"))
 
-    def runs(self, n_tokens: int | None = None) -> list[tuple[int, int, int]]:
-        """The first ``n_tokens`` (default all) tokens' records as runs of consecutive records:
-        ``(first token, its record, length)`` (an event record ends a run)."""
-        records = self.token_record[: self.n_tokens if n_tokens is None else n_tokens]
-        if records.size == 0:
-            return []
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(records) != 1) + 1])
-        lengths = np.diff(np.append(starts, records.size))
-        return list(zip(starts.tolist(), records[starts].tolist(), lengths.tolist()))
-
     def with_tokens(self, token_ids: np.ndarray) -> RecordKey:
         """This key followed by appended tokens (generated at the final stage, no further events)."""
         ids = _token_ids(token_ids)
