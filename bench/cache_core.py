@@ -228,8 +228,8 @@ def next_turn(core: CacheCore, rng: np.random.Generator, steps: int, repeats: in
         entries, jobs, levels = EntryLists(), [], []
         for a, b, segment in pieces(state, lo, hi):
             state.round_positions(a, b)
-            entries.context(np.concatenate([state.resolve(segment.prefix_slots), state.active.births[segment.start : a]]),
-                            state.active.births[a:b])
+            prefix = np.concatenate([state.resolve(segment.prefix_slots), state.active.births[segment.start : a]])
+            entries.context(prefix, state.active.births[a:b])
             job = state.round_copies(a)
             if job is not None:
                 jobs.append(job)

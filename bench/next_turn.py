@@ -15,8 +15,9 @@ the host time building their metadata (``host_ms``), the span between its first 
 round (``rounds_ms``, 0 in one pass), and the kernel specializations first launched during it (0 when
 the warm-up compiled everything); ``other_ms`` is the request's time outside its wait (which holds
 admission's match and plan), host and forward time: HTTP, template render and compile, tokenization,
-commit, scheduling steps, publication, result processing. The first trial of the first size is the server's first context request; the
-report has it beside the median of the trials after it.
+commit, scheduling steps, publication (before SGLang answers a one-token request), result processing.
+The first trial of the first size is the server's first context request; the report has it beside
+the median of the trials after it.
 
 H200 (one device call, carry [".devkit"]; Qwen3-8B shape, dummy weights, FlashInfer, CUDA graphs):
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/next_turn.py" DEADLINE_S=540 \\
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if stock is not patched:
             stock.wait(600)
         report["startup_s"] = round(time.time() - started, 1)
-        report["kernel_first_launches_at_ready"] = client.akv_counters(patched.url).get("kernel_first_launches", 0.0)
+        ready = client.akv_counters(patched.url)
+        report["kernel_first_launches_at_ready"] = ready.get("kernel_first_launches", 0.0)
         fields = {"tools": None} if args.dry_run else {}  # the tiny model's CPU prefill: no tools block
         for index, steps in enumerate(int(s) for s in args.steps.split()):
             conv = Conversation(tokenizer, 0, args.result_tokens)

@@ -71,7 +71,8 @@ def markdown(result: dict[str, Any]) -> str:
     if timed:
         lines += ["", "AKV server time per context request, ms (means over each run from the patched server's "
                   "counters; requests overlap at concurrency above 1):", "",
-                  "| method | conc. | context requests | admission | wait | rounds | forward | copy | host | forwards |",
+                  "| method | conc. | context requests | admission | wait | rounds | forward | copy | host "
+                  "| forwards |",
                   "|" + "---|" * 10]
         for r in timed:
             t = r["akv_per_request"]

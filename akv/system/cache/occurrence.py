@@ -319,7 +319,8 @@ class _VersionTable:
             out[rest], job = self._resolve(tokens[rest], positions[rest], step, pinned)
         return frozen(out, np.int64), job
 
-    def _resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int, pinned: bool) -> tuple[np.ndarray, CopyJob]:
+    def _resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int,
+                 pinned: bool) -> tuple[np.ndarray, CopyJob]:
         """:meth:`resolve` over every version of each token."""
         slots, held = np.take(self.slots, tokens, axis=0), np.take(self.positions, tokens, axis=0)
         exact = held == positions[:, None]  # an empty cell holds position -1, never read

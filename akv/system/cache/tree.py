@@ -215,7 +215,8 @@ class RadixTree:
         if n_rec == n:  # no event records: token t is record t
             rec_slots, rec_positions = slots, positions
         else:
-            rec_slots, rec_positions = _spread(slots, key.token_record, n_rec), _spread(positions, key.token_record, n_rec)
+            rec_slots = _spread(slots, key.token_record, n_rec)
+            rec_positions = _spread(positions, key.token_record, n_rec)
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
