@@ -11,6 +11,16 @@ the tree changes) and ``commit`` (at lock time).
 
 ``--long-only`` measures the long context alone (on a tree holding only it); ``--clock cpu`` times with
 the process's CPU time instead of wall time (steadier on a shared machine).
+
+``--next-turn STEPS ...`` measures instead the scheduler's host work for the next turn of
+bench/next_turn.py (issue #29), per size: a conversation of STEPS tool calls with results of about
+1,000 tokens (29: ~30k tokens, 113: ~114k) is served as a plain turn, then its next turn (one more
+call and result) drops the first half of the results and repositions at the new message, through the
+adapter's request state (:class:`akv.system.adapter.context_request.AkvRequest`) on a tree holding
+only that turn, phase by phase: ``match_plan`` (key, tree match, plan), ``lock_commit``,
+``rounds`` (the one prefill round's prefix view, visibility row, birth binding, attention entries
+and copy jobs, as :func:`akv.system.adapter.batch_metadata.for_extend` builds them on the host), and
+``publish`` (the finished request's KV into the tree). A fresh system message per trial, as there.
 """
 
 from __future__ import annotations
@@ -170,6 +180,79 @@ def long_context(core: CacheCore, rng: np.random.Generator, system: np.ndarray,
             "warm_match_plan": percentiles(match_times), "warm_commit": percentiles(commit_times)}
 
 
+NEXT_TURN_SIZES = {"system": 60, "user": 40, "call": 60, "result": 940, "reply": 3}
+"""Tokens per message of the next-turn conversation (the reply: the generation prompt after the events)."""
+
+
+def next_turn_program(rng: np.random.Generator, steps: int) -> tuple[np.ndarray, ContextProgram]:
+    """The turn's token ids (system, user, ``steps`` calls and results) and its next turn's program."""
+    n = NEXT_TURN_SIZES
+    sizes = [n["system"], n["user"]] + [n["call"], n["result"]] * (steps + 1) + [n["reply"]]
+    ids = rng.integers(0, VOCAB, size=sum(sizes))
+    owners = np.repeat(np.arange(len(sizes)), sizes)
+    anchor = len(sizes) - 2
+    results = list(range(3, anchor - 1, 2))
+    rules = parse_rules({str(anchor): results[: len(results) // 2]}, [anchor], anchor + 1)
+    return ids[: -sum(sizes[-3:])], compile_program(ids, owners, rules, anchor + 1)
+
+
+def next_turn(core: CacheCore, rng: np.random.Generator, steps: int, repeats: int) -> dict[str, Any]:
+    """The phases of the next turn's host work (module docstring), ``repeats`` trials after one unmeasured."""
+    from akv.system.adapter.context_request import AkvRequest
+    from akv.system.adapter.extend_entries import EntryLists, add_layer_jobs, pieces
+    from akv.system.cache import plain
+
+    free = core.pool._free_list  # the engine allocates births off the free list, as SGLang's allocator does
+    phases: dict[str, list[float]] = {k: [] for k in ("match_plan", "lock_commit", "rounds", "publish", "total")}
+    shape: dict[str, Any] = {}
+    for trial in range(repeats + 1):
+        core.flush()
+        turn, program = next_turn_program(rng, steps)
+        own = free.take(turn.size)
+        plain.publish(core, own, 0, turn, "")
+        state = AkvRequest(program)
+        times = {}
+        start = CLOCK()
+        state.plan_draft(core, room=core.pool.size)
+        times["match_plan"] = CLOCK() - start
+        start = CLOCK()
+        state.lock(core)
+        state.commit(core)
+        times["lock_commit"] = CLOCK() - start
+        lo, hi = state.first_start, program.n_tokens
+        births = free.take(hi - lo)
+        start = CLOCK()
+        state.prefix_view(lo)
+        state.visibility_row(262_144)  # bench/next_turn.py's context length
+        state.bind(core, lo, births)
+        entries, jobs, levels = EntryLists(), [], []
+        for a, b, segment in pieces(state, lo, hi):
+            state.round_positions(a, b)
+            prefix = np.concatenate([state.resolve(segment.prefix_slots), state.active.births[segment.start : a]])
+            entries.context(prefix, state.active.births[a:b])
+            job = state.round_copies(a)
+            if job is not None:
+                jobs.append(job)
+        add_layer_jobs(levels, jobs)
+        entries.build("cpu")
+        times["rounds"] = CLOCK() - start
+        n_segments = len(state.plan_segments)
+        generated = free.take(1)
+        core.pool.adopt(generated)
+        start = CLOCK()
+        state.release(core, np.asarray([7]), generated, publish=True)
+        times["publish"] = CLOCK() - start
+        times["total"] = sum(times.values())
+        if trial:
+            for name, seconds in times.items():
+                phases[name].append(seconds)
+        usage = state.first_usage
+        shape = {"prompt_tokens": program.n_tokens, "cached_tokens": usage.cached_tokens,
+                 "repositioned_tokens": usage.repos_tokens, "computed_tokens": usage.computed_tokens,
+                 "segments": n_segments}
+    return {**shape, **{name: percentiles(seconds) for name, seconds in phases.items()}}
+
+
 def main() -> None:
     parser = cli.parser(None, __doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=1000)
@@ -180,7 +263,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--long-only", action="store_true")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    parser.add_argument("--repeats", type=int, default=5, help="warm long-context admissions timed")
+    parser.add_argument("--repeats", type=int, default=5, help="warm long-context admissions (or next turns) timed")
+    parser.add_argument("--next-turn", type=int, nargs="+", default=None, metavar="STEPS",
+                        help="measure bench/next_turn.py's next turn of these sizes instead (module docstring)")
     parser.add_argument("--out", type=cli.new_file, default=None, help="also write the result to this new file")
     args = parser.parse_args()
     global CLOCK
@@ -188,6 +273,11 @@ def main() -> None:
 
     head = results.header("bench/cache_core.py")  # before the work: the load average at the start
     rng = np.random.default_rng(args.seed)
+    if args.next_turn:
+        core = CacheCore(SlotPool(3 * 130_000 * max(args.next_turn) // 113 + 100_000))
+        results.show({**head, "clock": args.clock, "next_turn": {
+            str(steps): next_turn(core, rng, steps, args.repeats) for steps in args.next_turn}}, args.out)
+        return
     system = rng.integers(0, VOCAB, size=args.system_len)
     convs = [make_conversation(rng, system, args.messages, args.mean_len) for _ in range(args.conversations)]
     total = sum(c.program(args.messages - 2).n_tokens for c in convs)

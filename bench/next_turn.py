@@ -8,10 +8,16 @@ new message (``drop_message`` + ``reposition``), timed with one output token. On
 same next turn without the dropped results is served twice: the *floor* (its prefix without the new
 tool call and result resident first, so only the new tokens are prefilled over a resident prefix of
 the live length), then, after ``/flush_cache``, the *trimmed text* re-prefilled cold. The server's
-metrics give each AKV request's admission time (``sglang:akv_admission_seconds_total``) and the
-kernel specializations first launched during it (``sglang:akv_kernel_first_launches_total``: 0 when
-the warm-up compiled everything). The first trial of the first size is the server's first context
-request; the report has it beside the median of the trials after it.
+counters, read before and after each AKV request (``bench.harness.client.prefill_breakdown``), say
+where its server time went: admission (match, plan, lock, commit), queue wait, prefill forwards
+(``forwards``, their device time ``forward_ms`` and the re-rotation copies' ``copy_ms`` inside it),
+the host time building their metadata (``host_ms``), the span between its first and last prefill
+round (``rounds_ms``, 0 in one pass), and the kernel specializations first launched during it (0 when
+the warm-up compiled everything); ``other_ms`` is the request's time outside its wait (which holds
+admission's match and plan), host and forward time: HTTP, template render and compile, tokenization,
+commit, scheduling steps, publication (before SGLang answers a one-token request), result processing.
+The first trial of the first size is the server's first context request; the report has it beside
+the median of the trials after it.
 
 H200 (one device call, carry [".devkit"]; Qwen3-8B shape, dummy weights, FlashInfer, CUDA graphs):
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/next_turn.py" DEADLINE_S=540 \\
@@ -45,27 +51,13 @@ from bench.harness import client, results, servers  # noqa: E402
 from bench.harness.conversations import Conversation  # noqa: E402
 from bench.harness.servers import Server  # noqa: E402
 
+OUTSIDE = ("wait_ms", "host_ms", "forward_ms")
+"""The breakdown fields ``other_ms`` subtracts from the request's time (they do not overlap; admission's
+match and plan run while the request waits, so inside ``wait_ms``, its lock and commit after it)."""
 GOAL_VS_FLOOR = 1.5
 GOAL_FIRST_VS_MEDIAN = 1.5
 CPU_FLAGS = [*servers.cpu_flags(8192, warmup=True), "--enable-metrics"]
 """SGLang's warm-up kept: it is what launches AKV's kernels before the server reports ready."""
-
-
-def akv_metrics(url: str) -> dict[str, float]:
-    """The AKV counters this benchmark reads, from ``/metrics``."""
-    metrics = client.read_metrics(url, 30)
-    return {name: metrics[f"akv_{name}_total"] for name in ("admission_seconds", "kernel_first_launches")
-            if f"akv_{name}_total" in metrics}
-
-
-def settled(url: str, before: dict[str, float], seconds: float = 5.0) -> dict[str, float]:
-    """The counters once the last request's admission time is in (it is counted when it finishes)."""
-    deadline = time.time() + seconds
-    while True:
-        now = akv_metrics(url)
-        if now.get("admission_seconds", 0.0) > before.get("admission_seconds", 0.0) or time.time() > deadline:
-            return now
-        time.sleep(0.05)
 
 
 def trial(patched: Server, stock: Server, base: list[dict[str, Any]], new: list[dict[str, Any]],
@@ -78,9 +70,9 @@ def trial(patched: Server, stock: Server, base: list[dict[str, Any]], new: list[
     results = [i for i, m in enumerate(turn) if m["role"] == "tool"]
     dropped = results[: len(results) // 2]
     chat(patched, {"messages": turn, **fields}, 1)
-    before = akv_metrics(patched.url)
+    before = client.akv_counters(patched.url)
     akv = chat(patched, {"messages": nxt, **fields, "drop_message": {str(anchor): dropped}, "reposition": [anchor]}, 1)
-    after = settled(patched.url, before)
+    breakdown = client.prefill_breakdown(before, client.akv_counters_after(patched.url, before))
     live = [m for i, m in enumerate(nxt) if i not in dropped]
     chat(stock, {"messages": live[: -len(new)], **fields}, 1)
     floor = chat(stock, {"messages": live, **fields}, 1)
@@ -88,9 +80,8 @@ def trial(patched: Server, stock: Server, base: list[dict[str, Any]], new: list[
         raise RuntimeError(f"{stock.url}/flush_cache refused: the trimmed text would not be prefilled cold")
     trimmed = chat(stock, {"messages": live, **fields}, 1)
     return {"prompt_tokens": akv["usage"]["prompt_tokens"], "live_tokens": trimmed["usage"]["prompt_tokens"],
-            "akv_s": akv["seconds"], "floor_s": floor["seconds"], "trimmed_text_s": trimmed["seconds"],
-            "admission_ms": 1e3 * (after.get("admission_seconds", 0.0) - before.get("admission_seconds", 0.0)),
-            "kernel_first_launches": after.get("kernel_first_launches", 0.0) - before.get("kernel_first_launches", 0.0),
+            "akv_s": akv["seconds"], "floor_s": floor["seconds"], "trimmed_text_s": trimmed["seconds"], **breakdown,
+            "other_ms": round(1e3 * akv["seconds"] - sum(breakdown[k] for k in OUTSIDE), 3),
             "akv_usage": akv["usage"].get("prompt_tokens_details"),
             "floor_cached_tokens": (floor["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")}
 
@@ -98,7 +89,8 @@ def trial(patched: Server, stock: Server, base: list[dict[str, Any]], new: list[
 def summary(trials: list[dict[str, Any]], first_is_servers_first: bool) -> dict[str, Any]:
     """Medians over the trials after the first, their ratios, and the first trial beside them."""
     rest = trials[1:] or trials
-    med = {k: statistics.median(t[k] for t in rest) for k in ("akv_s", "floor_s", "trimmed_text_s", "admission_ms")}
+    med = {k: statistics.median(t[k] for t in rest) for k in ("akv_s", "floor_s", "trimmed_text_s", "forwards",
+                                                               *client.BREAKDOWN_MS, "other_ms")}
     out = {"trials": len(trials), "median_after_first": med, "akv_vs_floor": med["akv_s"] / med["floor_s"],
            "trimmed_vs_akv": med["trimmed_text_s"] / med["akv_s"], "first": trials[0],
            "first_vs_median": trials[0]["akv_s"] / med["akv_s"],
@@ -168,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         if stock is not patched:
             stock.wait(600)
         report["startup_s"] = round(time.time() - started, 1)
-        report["kernel_first_launches_at_ready"] = akv_metrics(patched.url).get("kernel_first_launches", 0.0)
+        ready = client.akv_counters(patched.url)
+        report["kernel_first_launches_at_ready"] = ready.get("kernel_first_launches", 0.0)
         fields = {"tools": None} if args.dry_run else {}  # the tiny model's CPU prefill: no tools block
         for index, steps in enumerate(int(s) for s in args.steps.split()):
             conv = Conversation(tokenizer, 0, args.result_tokens)

@@ -4,7 +4,8 @@ server (``python -m akv.system.launch_server``) replays AKV (drop_message/reposi
 akv.agent), both servers up at once on the same model (one at a time with --dry-run or
 ``--servers in-turn``, patched first), only one measured at a time, level by level over a
 concurrency sweep that fits a time budget. Writes ``replay_suite.json`` (rows, ratios, the exact command and settings),
-``replay_suite.md`` (the table and AKV vs Standard next to the goals) and ``replay_suite.svg``
+``replay_suite.md`` (the table, AKV vs Standard next to the goals, and where the patched server's time
+per context request went, from its counters: ``bench.harness.client.prefill_breakdown``) and ``replay_suite.svg``
 under ``--out``; server logs under ``--logs``. Prints a line per step and per run.
 
 On the H200 (``tools/gpu/replay_suite.sh``, through ``tools/gpu/run.sh``): a Qwen3-8B-shaped

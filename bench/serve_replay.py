@@ -9,7 +9,8 @@ trajectory's own assistant message, not the server's output. Every conversation 
 starts with its own tag (a few filler tokens, counted), so no run reads another's KV even where
 `POST /flush_cache` (sent before each run) is refused. Reports output and input throughput over
 the run's wall time, P50/P95 request latency and TTFT, the served cached / re-rotated / skipped
-tokens, and KV pool usage sampled from `GET /metrics` (servers started with `--enable-metrics`);
+tokens, KV pool usage sampled from `GET /metrics` (servers started with `--enable-metrics`) and, from
+the patched server's counters, where its time per context request went (`akv_per_request`);
 writes JSON (with the exact command) and a markdown table next to it (.md) after every run. A
 request the server refuses (e.g. a full-context prompt past the window) ends its conversation and
 counts as `failed`.
@@ -165,6 +166,7 @@ def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Me
             dataclasses.replace(r, generated=min(r.generated, args.max_output_tokens)) for r in c.requests))
             for c in conversations]
     flushed = flush(url)
+    counters = akv_counters(url)
     monitor = PoolMonitor(url).start()
     progress = (lambda line: print(f"    {method.name} c={level}: {line}", flush=True)) if args.verbose else None
     began = time.monotonic()
@@ -176,7 +178,20 @@ def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Me
     row = {"method": method.name, "concurrency": level, "conversations": n, "flushed": flushed, "primed": args.prime,
            "run_seconds": run_seconds, "total_s": time.monotonic() - began, **summarize(got, wall),
            **(monitor.summary() or {})}
+    after = akv_counters(url) if counters else {}
+    requests = after.get("context_requests", 0.0) - counters.get("context_requests", 0.0)
+    if requests > 0:  # the patched server's breakdown, per context request of the run (they overlap)
+        row["akv_context_requests"] = int(requests)
+        row["akv_per_request"] = client.prefill_breakdown(counters, after, requests)
     return row, got
+
+
+def akv_counters(url: str) -> dict[str, float]:
+    """The patched server's AKV counters (none from a server without them, or without ``/metrics``)."""
+    try:
+        return client.akv_counters(url.rstrip("/"))
+    except OSError:
+        return {}
 
 
 def progress_line(row: dict[str, Any]) -> str:

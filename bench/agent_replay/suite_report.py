@@ -67,6 +67,19 @@ def markdown(result: dict[str, Any]) -> str:
             "-" if q[k] is None else f"{q[k]:.2f}x" for k in ("output_tok_per_s", "input_tok_per_s", "latency_p50_s",
                                                               "latency_p95_s", "ttft_p50_s", "ttft_p95_s")),
             "met" if q["meets_output_goal"] else "not met", "met" if q["meets_p95_goal"] else "not met"]) + " |")
+    timed = [r for r in rows if r.get("akv_per_request")]
+    if timed:
+        lines += ["", "AKV server time per context request, ms (means over each run from the patched server's "
+                  "counters; requests overlap at concurrency above 1):", "",
+                  "| method | conc. | context requests | admission | wait | rounds | forward | copy | host "
+                  "| forwards |",
+                  "|" + "---|" * 10]
+        for r in timed:
+            t = r["akv_per_request"]
+            lines.append("| " + " | ".join([r["method"], str(r["concurrency"]), str(r["akv_context_requests"]),
+                                            *(f"{t[k]:.1f}" for k in ("admission_ms", "wait_ms", "rounds_ms",
+                                                                       "forward_ms", "copy_ms", "host_ms")),
+                                            f"{t['forwards']:.2f}"]) + " |")
     own = result.get("best")
     if own:
         lines += ["", "Each method at its own best concurrency (highest output throughput): " + "; ".join(

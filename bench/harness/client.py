@@ -1,6 +1,7 @@
 """The HTTP client of every benchmark and check (standard library and ``akv.cli`` only): greedy chat
-requests with log-probs, the server's Prometheus counters, its cache flush and its load. A failed
-request raises ``akv.cli.RequestFailed`` with the server's answer and the request sent."""
+requests with log-probs, the server's Prometheus counters (and AKV's per-request breakdown of a
+context request's server time from them), its cache flush and its load. A failed request raises
+``akv.cli.RequestFailed`` with the server's answer and the request sent."""
 
 from __future__ import annotations
 
@@ -48,6 +49,51 @@ def read_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
         if line.startswith("sglang:"):
             name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("sglang:")
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+AKV_COUNTERS = ("context_requests", "admission_seconds", "kernel_first_launches", "prefill_forwards",
+                "prefill_wait_seconds", "prefill_rounds_seconds", "prefill_forward_seconds", "prefill_copy_seconds",
+                "prefill_host_seconds")
+"""The patched server's counters (``akv.system.adapter.metrics``) a context request's time is read from."""
+
+BREAKDOWN_MS = {"admission_ms": "admission_seconds", "wait_ms": "prefill_wait_seconds",
+                "rounds_ms": "prefill_rounds_seconds", "forward_ms": "prefill_forward_seconds",
+                "copy_ms": "prefill_copy_seconds", "host_ms": "prefill_host_seconds"}
+"""Where a context request's server time went, in ms, and the counter each comes from: admission
+(match, plan, lock, commit), queue wait, the span from its first prefill round to its last, device
+time of its prefill forwards and of the re-rotation copies inside them, and the host time building
+their metadata (akv.system.adapter.prefill_timing)."""
+
+
+def akv_counters(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """The :data:`AKV_COUNTERS` the server exports (none on a stock server)."""
+    metrics = read_metrics(url, timeout)
+    return {name: metrics[f"akv_{name}_total"] for name in AKV_COUNTERS if f"akv_{name}_total" in metrics}
+
+
+def akv_counters_after(url: str, before: dict[str, float], seconds: float = 5.0) -> dict[str, float]:
+    """The counters once a request that started after ``before`` was read has been released (its
+    admission time is counted at its release, with its prefill's breakdown; up to ``seconds``)."""
+    deadline = time.time() + seconds
+    while True:
+        now = akv_counters(url)
+        if now.get("admission_seconds", 0.0) > before.get("admission_seconds", 0.0) or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    time.sleep(0.05)  # the release counts admission first, the breakdown right after
+    return akv_counters(url)
+
+
+def prefill_breakdown(before: dict[str, float], after: dict[str, float], requests: float = 1.0) -> dict[str, float]:
+    """Per context request between two reads of :func:`akv_counters` (``requests`` of them): the
+    :data:`BREAKDOWN_MS` fields, ``forwards`` and ``kernel_first_launches``."""
+    def delta(name: str) -> float:
+        return (after.get(name, 0.0) - before.get(name, 0.0)) / max(requests, 1.0)
+
+    out = {field: round(1e3 * delta(name), 3) for field, name in BREAKDOWN_MS.items()}
+    out["forwards"] = delta("prefill_forwards")
+    out["kernel_first_launches"] = delta("kernel_first_launches")
     return out
 
 

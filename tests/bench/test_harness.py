@@ -1,6 +1,7 @@
 """bench/harness, the measuring scripts' shared pieces: every result starts with the exact command,
 the commit, the date and the machine; results already committed still load; no device script
-writes to a fixed path under /tmp (a work folder comes from mktemp or the checkout)."""
+writes to a fixed path under /tmp (a work folder comes from mktemp or the checkout); a context
+request's server time is read from the patched server's counters."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import results
+from bench.harness import client, results
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,3 +60,43 @@ def test_no_device_script_names_a_fixed_path_under_tmp() -> None:
             fixed[str(path.relative_to(ROOT))] = found
     assert fixed == {}
     assert (ROOT / "tools" / "gpu" / "run.sh") in DEVICE_SCRIPTS
+
+
+METRICS = """# HELP sglang:akv_admission_seconds_total Host seconds.
+# TYPE sglang:akv_admission_seconds_total counter
+sglang:akv_admission_seconds_total{model_name="m"} 0.5
+sglang:akv_prefill_forwards_total{model_name="m"} 3.0
+sglang:akv_prefill_forward_seconds_total{model_name="m"} 0.25
+sglang:akv_prefill_host_seconds_total{model_name="m"} 0.004
+sglang:akv_context_requests_total{model_name="m"} 2.0
+sglang:num_running_reqs{model_name="m"} 1.0
+"""
+
+
+def test_akv_counters_are_read_from_metrics_and_differenced_per_request(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server hook
+            body = METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = client.akv_counters(f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert got == {"admission_seconds": 0.5, "prefill_forwards": 3.0, "prefill_forward_seconds": 0.25,
+                   "prefill_host_seconds": 0.004, "context_requests": 2.0}
+    before = {"admission_seconds": 0.1, "prefill_forwards": 1.0, "prefill_forward_seconds": 0.05}
+    per = client.prefill_breakdown(before, got, requests=2)
+    assert per == {"admission_ms": 200.0, "wait_ms": 0.0, "rounds_ms": 0.0, "forward_ms": 100.0, "copy_ms": 0.0,
+                   "host_ms": 2.0, "forwards": 1.0, "kernel_first_launches": 0.0}

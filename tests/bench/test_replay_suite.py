@@ -42,6 +42,15 @@ def test_best_concurrency_and_markdown():
     assert text.count("| akv_keep12 | patched |") == 3
     assert "| akv_keep12 | 4 | 1.60x | 1.60x | 2.50x | 2.50x | 1.00x | 1.00x | met | met |" in text
     assert "akv_keep12 c=16 240.0 tok/s" in text and "- patched: akv_keep12 c=32 skipped" in text
+    assert "AKV server time per context request" not in text  # no row carries the patched server's counters
+
+
+def test_markdown_shows_the_patched_servers_time_per_context_request():
+    timed = _row("akv_keep12", 4, 160.0, 4.0, "patched", akv_context_requests=20, akv_per_request={
+        "admission_ms": 12.5, "wait_ms": 3.0, "rounds_ms": 0.0, "forward_ms": 80.25, "copy_ms": 4.0, "host_ms": 1.5,
+        "forwards": 1.0, "kernel_first_launches": 0.0})
+    result = {"command": "c", "label": "l", "rows": [timed], "ratios": [], "best": {}}
+    assert "| akv_keep12 | 4 | 20 | 12.5 | 3.0 | 0.0 | 80.2 | 4.0 | 1.5 | 1.00 |" in report.markdown(result)
 
 
 @pytest.mark.slow

@@ -1,9 +1,12 @@
-"""Record keys: plain requests keep plain token keys; event histories separate identical text."""
+"""Record keys: plain requests keep plain token keys; event histories separate identical text; a key's
+versions spread to its records, and the row-wise mask search."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from akv.system.cache.keys import DROP_CLOSE, DROP_OPEN, REPOS, CacheKeyError, plain_key, program_key
 
@@ -73,3 +76,29 @@ def test_with_tokens_appends_records() -> None:
 def test_bad_token_ids_are_named(bad: np.ndarray, message: str) -> None:
     with pytest.raises(CacheKeyError, match=message):
         plain_key(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(0, 2), st.integers(1, 3))
+def test_rows_spread_to_their_records_as_by_fancy_indexing(gaps: list[int], tail: int, width: int) -> None:
+    """The tree's per-record rows of a key's versions (``_spread``) against fancy-index assignment by
+    ``token_record``: token ``i`` is preceded by ``gaps[i]`` event records, ``tail`` more end the key."""
+    from akv.system.cache.tree import _spread
+
+    token_record = np.cumsum(np.asarray(gaps, dtype=np.int64) + 1) - 1
+    n_records = (int(token_record[-1]) + 1 if gaps else 0) + tail
+    values = np.random.default_rng(len(gaps) + width).integers(-1, 50, size=(len(gaps), width))
+    expected = np.full((n_records, width), -1, dtype=np.int64)
+    expected[token_record] = values
+    assert np.array_equal(_spread(values, token_record, n_records), expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 30), st.integers(0, 4), st.integers(0, 10_000))
+def test_first_true_is_any_and_argmax_along_rows(rows: int, width: int, seed: int) -> None:
+    from akv.system.arrays import first_true
+
+    mask = np.random.default_rng(seed).random((rows, width)) < 0.3
+    found, col = first_true(mask)
+    assert found.tolist() == mask.any(axis=1).tolist()
+    assert col.tolist() == (mask.argmax(axis=1).tolist() if width else [0] * rows)

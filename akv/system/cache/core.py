@@ -286,8 +286,10 @@ def _as_table(n: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarr
     """Per-token rows of versions, -1 padded."""
     order = np.argsort(tokens, kind="stable")
     tokens, positions, slots = tokens[order], positions[order], slots[order]
-    first = np.searchsorted(tokens, tokens, side="left")
-    col = np.arange(tokens.size) - first
+    index = np.arange(tokens.size)
+    starts = np.ones(tokens.size, dtype=bool)  # the first version of each token (tokens sorted: one pass)
+    starts[1:] = tokens[1:] != tokens[:-1]
+    col = index - np.maximum.accumulate(np.where(starts, index, 0))
     width = int(col.max()) + 1 if col.size else 1
     table_slots = np.full((n, width), -1, dtype=np.int64)
     table_positions = np.full((n, width), -1, dtype=np.int64)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from akv.system.arrays import frozen
+from akv.system.arrays import first_true, frozen
 from akv.system.cache.plan import CopyJob, MatchResult, RequestPlan, Segment, TerminalView
 from akv.system.cache.recovery import needed_queries, segment_spans
 from akv.system.cache.stages import StagePositions
@@ -261,18 +261,6 @@ def map_slots(plan: RequestPlan, fn: Callable[[np.ndarray], np.ndarray]) -> Requ
     return replace(plan, segments=segments, terminal=terminal)
 
 
-def _first_true(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of a 2-D mask: whether any entry is set, and the first set column (0 if none);
-    column by column, as the tables have a few columns (``argmax(axis=1)`` is ~10x slower there)."""
-    found = np.zeros(mask.shape[0], dtype=bool)
-    col = np.zeros(mask.shape[0], dtype=np.int64)
-    for j in range(mask.shape[1] - 1, -1, -1):
-        column = mask[:, j]
-        col[column] = j
-        found |= column
-    return found, col
-
-
 class _VersionTable:
     """The request's view of every token's versions: the tree's (from the match), then two of its
     own per token: the birth version it computed and the latest copy it made. Positions only ever
@@ -322,10 +310,26 @@ class _VersionTable:
         self, tokens: np.ndarray, positions: np.ndarray, step: int, *, pinned: bool = False
     ) -> tuple[np.ndarray, CopyJob]:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
-        version exists (``pinned`` copies live to the end)."""
+        version exists (``pinned`` copies live to the end). Reads that find the tree's first version
+        (most of a next turn's: the KV as stored) are taken without gathering the other versions."""
+        first = self.positions[tokens, 0] == positions if self.birth_col else np.zeros(tokens.size, dtype=bool)
+        if not first.any():
+            return self._resolve(tokens, positions, step, pinned)
+        out = self.slots[tokens, 0]
+        self.used[tokens[first], 0] = True
+        self.read[tokens[first]] = True
+        rest = np.flatnonzero(~first)
+        job = CopyJob(*(frozen(np.zeros(0, np.int64), np.int64),) * 5)
+        if rest.size:
+            out[rest], job = self._resolve(tokens[rest], positions[rest], step, pinned)
+        return frozen(out, np.int64), job
+
+    def _resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int,
+                 pinned: bool) -> tuple[np.ndarray, CopyJob]:
+        """:meth:`resolve` over every version of each token."""
         slots, held = np.take(self.slots, tokens, axis=0), np.take(self.positions, tokens, axis=0)
         exact = held == positions[:, None]  # an empty cell holds position -1, never read
-        found, col = _first_true(exact)
+        found, col = first_true(exact)
         width = slots.shape[1]
         cell = np.arange(tokens.size) * width + col
         out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
@@ -337,11 +341,11 @@ class _VersionTable:
         miss = np.flatnonzero(~found)
         need = tokens[miss]
         sources = slots[miss] != _EMPTY
-        has_source = sources.any(axis=1)
+        has_source, any_col = first_true(sources)
         if not has_source.all():
             raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
-        at_birth = sources & (held[miss] == self.birth[need][:, None])
-        src_col = np.where(at_birth.any(axis=1), at_birth.argmax(axis=1), sources.argmax(axis=1))
+        at_birth, birth_col = first_true(sources & (held[miss] == self.birth[need][:, None]))
+        src_col = np.where(at_birth, birth_col, any_col)
         src = slots[miss, src_col]
         old = held[miss, src_col]
         in_place = None if self.takeable is None else self.takeable[need, src_col] & ~self.used[need, src_col]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from akv.system.arrays import first_true
 from akv.system.cache.core import CacheCore
 from akv.system.cache.keys import plain_key
 
@@ -14,9 +15,9 @@ def resident_prefix(core: CacheCore, ids: np.ndarray, namespace: str) -> np.ndar
     """Slots of the longest prefix of ``ids`` resident at the tokens' own positions (0, 1, ...)."""
     match = core.resident(plain_key(ids, namespace))
     exact = (match.slots >= 0) & (match.positions == np.arange(match.n_tokens)[:, None])
-    found = exact.any(axis=1)
+    found, col = first_true(exact)
     n = int(np.argmin(found)) if not found.all() else found.size
-    return match.slots[np.arange(n), exact[:n].argmax(axis=1)].astype(np.int64)
+    return match.slots[np.arange(n), col[:n]].astype(np.int64)
 
 
 def publish(core: CacheCore, row: np.ndarray, protected: int, ids: np.ndarray | None, namespace: str) -> np.ndarray:
