@@ -105,9 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, small sizes, one patched server")
     p.add_argument("--model", type=Path, default=os.environ.get("AKV_MODEL_8B"),
                    help="the 8B-shaped model folder (default: $AKV_MODEL_8B; --dry-run makes a tiny one)")
-    p.add_argument("--steps", default="29 113", help="tool-result steps per size (29: ~33k tokens, 113: ~128k)")
+    p.add_argument("--steps", default=os.environ.get("AKV_NEXT_TURN_STEPS", "29 113"),
+                   help="tool-result steps per size (29: ~33k tokens, 113: ~128k; default: $AKV_NEXT_TURN_STEPS "
+                        "or '29 113')")
     p.add_argument("--result-tokens", type=int, default=800, help="tokens of each tool result")
-    p.add_argument("--trials", type=int, default=10, help="trials per size after its first")
+    p.add_argument("--trials", type=int, default=int(os.environ.get("AKV_NEXT_TURN_TRIALS", "10")),
+                   help="trials per size after its first (default: $AKV_NEXT_TURN_TRIALS or 10)")
     p.add_argument("--deadline-s", type=float, default=420.0,
                    help="no new trial starts this many seconds after the start (run.sh stops a bench at 540 s in all)")
     p.add_argument("--stock-site", type=Path, default=servers.stock_site_default(),
