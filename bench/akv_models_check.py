@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server
             unpack.start()
             patched_env, tiny_flags = {**base, "PYTHONPATH": os.environ["PYTHONPATH"]}, GPU_TINY
         models = make_models(args.work / "models", tuple(n for n in ("gpt_oss_tiny", "minimax_tiny")
-                                                         if n not in attached), args.dry_run)
+                                                         if n in args.parts and n not in attached), args.dry_run)
         for name, (server, model) in attached.items():
             run.attached[name], models[name] = server, model
             run.report["servers"][name] = {"command": server.command, "attached": True}
