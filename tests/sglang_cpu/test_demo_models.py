@@ -63,7 +63,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return request.param, made[request.param]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Served:
     """A patched server, what the demo's scripted run against it did, then the models check's dry run."""
 
