@@ -137,6 +137,8 @@ class Run:
                                        "servers": {}}
         self.servers: dict[str, servers.Server] = {}
         self.launched: dict[str, float] = {}
+        self.attached: dict[str, servers.Server] = {}
+        """Servers this run neither launched nor stops (``main``'s ``attached``)."""
 
     def left(self) -> float:
         return self.args.deadline_s - (time.time() - self.started)
@@ -156,6 +158,8 @@ class Run:
         self.log(f"{name}: starting")
 
     def ready(self, name: str) -> servers.Server:
+        if name in self.attached:
+            return self.attached[name]
         server = self.servers[name]
         server.wait(max(10.0, min(self.args.ready_timeout, self.left())))
         if "startup_s" not in self.report["servers"][name]:
@@ -300,7 +304,11 @@ def check_big(run: Run, name: str, model: Path) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server, Path]] | None = None) -> int:
+    """``attached``: tiny parts checked on servers already running (part name -> the server and the
+    FP32 model folder it serves, made by ``make_models``), which this run neither makes, launches
+    nor stops: tests/sglang_cpu/test_demo_models.py runs the demo on the same servers first."""
+    attached = attached or {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the parts
     args = parse_args(argv)
     run = Run(args)
@@ -315,11 +323,15 @@ def main(argv: list[str] | None = None) -> int:
             unpack = threading.Thread(target=servers.unpack_stock_site, args=(stock_site,))
             unpack.start()
             patched_env, tiny_flags = {**base, "PYTHONPATH": os.environ["PYTHONPATH"]}, GPU_TINY
-        models = make_models(args.work / "models", ("gpt_oss_tiny", "minimax_tiny"), args.dry_run)
+        models = make_models(args.work / "models", tuple(n for n in ("gpt_oss_tiny", "minimax_tiny")
+                                                         if n in args.parts and n not in attached), args.dry_run)
+        for name, (server, model) in attached.items():
+            run.attached[name], models[name] = server, model
+            run.report["servers"][name] = {"command": server.command, "attached": True}
         port = (lambda k: servers.free_port()) if args.dry_run else (lambda k: 30020 + k)
         patched = "akv.system.launch_server"
         for k, (name, parsers) in enumerate((("gpt_oss_tiny", "gpt-oss"), ("minimax_tiny", "minimax"))):
-            if name in args.parts:
+            if name in args.parts and name not in attached:
                 run.launch(name, patched, models[name], [*tiny_flags, *PARSERS[parsers]], {**patched_env, **CHECKS},
                            port(k))
         graphs = ["--cuda-graph-max-bs", "4", "--cuda-graph-backend-prefill", "disabled"] if args.big_graphs else [

@@ -39,8 +39,9 @@ the copies wave; ~9 minutes in all. A wave whose replies do not come in 240 s en
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/akv_soak.py" DEADLINE_S=560 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 
 CPU dry run (the same flow: tiny random Qwen3 in sharded files, the CPU patched server FP32, the
-CPU reference server, a 768-token pool, 3 agents + 2 branches over 6 turns, no tools in the requests;
-~4 minutes on two idle cores, twice that on a loaded machine)::
+CPU reference server, a 768-token pool, 3 agents + 2 branches over 4 turns, no tools in the requests:
+evictions from turn 2, the fork and its retries at turn 2, the reposition at turn 3; ~3 minutes on two
+idle cores, twice that on a loaded machine)::
 
     python bench/akv_soak.py --dry-run [--work DIR] [--out DIR]
 """
@@ -110,7 +111,7 @@ class Scale:
 GPU = Scale(agents=12, turns=10, result_tokens=(300, 1500), pool=40000, max_tokens=16, fork=3, branches=4, retries=2,
             soak_s=300.0, deadline_s=470.0, reference_slots=32768, reference_chunk=2048, tools=True,
             wave_timeout_s=240.0)
-CPU = Scale(agents=3, turns=6, result_tokens=(10, 30), pool=768, max_tokens=4, fork=2, branches=2, retries=2,
+CPU = Scale(agents=3, turns=4, result_tokens=(10, 30), pool=768, max_tokens=4, fork=2, branches=2, retries=2,
             soak_s=600.0, deadline_s=1200.0, reference_slots=8192, reference_chunk=None, tools=False,
             wave_timeout_s=240.0)
 """The dry run leaves the tools out of the requests (their ~350-token block would dominate the tiny
