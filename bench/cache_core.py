@@ -199,7 +199,7 @@ def next_turn_program(rng: np.random.Generator, steps: int) -> tuple[np.ndarray,
 def next_turn(core: CacheCore, rng: np.random.Generator, steps: int, repeats: int) -> dict[str, Any]:
     """The phases of the next turn's host work (module docstring), ``repeats`` trials after one unmeasured."""
     from akv.system.adapter.context_request import AkvRequest
-    from akv.system.adapter.extend_entries import EntryLists, add_layer_jobs, pieces
+    from akv.system.adapter.extend_entries import EntryLists, add_layer_jobs, context_round
     from akv.system.cache import plain
 
     free = core.pool._free_list  # the engine allocates births off the free list, as SGLang's allocator does
@@ -225,15 +225,8 @@ def next_turn(core: CacheCore, rng: np.random.Generator, steps: int, repeats: in
         state.prefix_view(lo)
         state.visibility_row(262_144)  # bench/next_turn.py's context length
         state.bind(core, lo, births)
-        entries, jobs, levels = EntryLists(), [], []
-        for a, b, segment in pieces(state, lo, hi):
-            state.round_positions(a, b)
-            prefix = np.concatenate([state.resolve(segment.prefix_slots), state.active.births[segment.start : a]])
-            entries.context(prefix, state.active.births[a:b])
-            job = state.round_copies(a)
-            if job is not None:
-                jobs.append(job)
-        add_layer_jobs(levels, jobs)
+        entries, levels = EntryLists(), []
+        add_layer_jobs(levels, context_round(entries, state, lo, hi)[1])
         entries.build("cpu")
         times["rounds"] = CLOCK() - start
         n_segments = len(state.plan_segments)

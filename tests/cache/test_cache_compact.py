@@ -6,6 +6,8 @@ brute-force KV simulator and against the oracle on the tiny model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,9 @@ from hypothesis import given, settings
 
 from akv.system.cache.core import CacheCore, CacheFull
 from akv.system.cache.occurrence import cold_plan
+from akv.system.cache.plan import RequestPlan
 from akv.system.cache.pool import SlotPool
+from akv.system.context.program import ContextProgram
 from akv.system.context.compiler import append_generated
 from akv.system.reference.executor import PagedKV, run_decode, run_prefill
 from akv.system.reference.model import ReferenceModel
@@ -113,33 +117,47 @@ def test_dropped_kv_gives_its_slots_to_later_turns() -> None:
     assert pool.n_free == pool.size
 
 
-@settings(max_examples=100, deadline=None)
-@given(conversations(max_messages=8), conversations(max_messages=8))
-def test_compact_plans_read_what_the_brute_force_reads(first: Conversation, second: Conversation) -> None:
-    """Every turn of two conversations, alternately and each turn twice (a retry), through compact
-    plans: every read holds exactly the KV the query needs, writes go only to the request's own or
-    taken slots, and nothing leaks."""
+BRUTE_POOL = 400
+"""Slots of the pool the brute-force runs plan against."""
+
+
+def _serve_alternately(first: Conversation, second: Conversation, check: Callable[[ContextProgram, RequestPlan], None],
+                       **kind: bool) -> None:
+    """Every turn of two conversations, alternately and each turn twice (a retry), planned with
+    ``kind`` and run on the brute-force KV: every read holds exactly the KV the query needs, writes go
+    only to the request's own or taken slots, ``check`` sees each plan, and nothing leaks."""
     kv = SimulatedKV()
-    pool = SlotPool(400, on_free=kv.forget)
+    pool = SlotPool(BRUTE_POOL, on_free=kv.forget)
     core = CacheCore(pool)
     intern = Interner()
     order = [(c, t) for t in range(8) for c in (first, second) if t < c.n_turns for _ in range(2)]
     for conv, turn in order:
         program = conv.program(turn)
-        request = core.admit(program, compact=True)
+        request = core.admit(program, **kind)
         plan = request.plan
         taken = _in_place(plan)
         trace = kv.execute(plan, brute_layout(program, intern), pool, rewritable=taken)
-        for job in plan.copies:
-            assert_kernel_accepts(job, pool.size)
         assert trace.written == set(plan.fresh.tolist()) | taken
-        assert plan.fresh.size <= cold_plan(program).n_slots
+        check(program, plan)
         reply = conv.reply(turn)
         slots = core.allocate(reply.size)
         kv.write_generated(slots, brute_layout(append_generated(program, reply), intern), program.n_tokens, pool)
         core.finish(request, reply, slots)
     core.flush()
     assert pool.n_free == pool.size and not kv.content
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversations(max_messages=8), conversations(max_messages=8))
+def test_compact_plans_read_what_the_brute_force_reads(first: Conversation, second: Conversation) -> None:
+    """Every turn of two conversations (:func:`_serve_alternately`) through compact plans: their
+    copies suit the kernel and they never hold more slots than the cold plan."""
+    def check(program: ContextProgram, plan: RequestPlan) -> None:
+        for job in plan.copies:
+            assert_kernel_accepts(job, BRUTE_POOL)
+        assert plan.fresh.size <= cold_plan(program).n_slots
+
+    _serve_alternately(first, second, check, compact=True)
 
 
 def _run_turn(model: ReferenceModel, core: CacheCore, kv: PagedKV, conv: Conversation, turn: int) -> set[int]:
@@ -189,22 +207,10 @@ def test_compact_turns_and_a_sibling_match_the_oracle(tiny_qwen3: ReferenceModel
 @given(conversations(max_messages=8), conversations(max_messages=8))
 def test_in_place_plans_are_safe_in_one_forward(first: Conversation, second: Conversation) -> None:
     """In-place plans (``in_place=True``, what the patched SGLang server runs: a request's segments
-    in one forward, all their copies before any segment's attention): every read holds the KV the
-    query needs, each computed token keeps its own birth slot, and no segment reads a slot that a
-    later segment rotates in place (in one forward it would read the rotated key); turn by turn, two
-    conversations, each turn twice, nothing leaks."""
-    kv = SimulatedKV()
-    pool = SlotPool(400, on_free=kv.forget)
-    core = CacheCore(pool)
-    intern = Interner()
-    order = [(c, t) for t in range(8) for c in (first, second) if t < c.n_turns for _ in range(2)]
-    for conv, turn in order:
-        program = conv.program(turn)
-        request = core.admit(program, in_place=True)
-        plan = request.plan
-        taken = _in_place(plan)
-        trace = kv.execute(plan, brute_layout(program, intern), pool, rewritable=taken)
-        assert trace.written == set(plan.fresh.tolist()) | taken
+    in one forward, all their copies before any segment's attention), turn by turn
+    (:func:`_serve_alternately`): each computed token keeps its own birth slot, and no segment reads
+    a slot that a later segment rotates in place (in one forward it would read the rotated key)."""
+    def check(program: ContextProgram, plan: RequestPlan) -> None:
         births = np.concatenate([s.slots for s in plan.segments]) if plan.segments else np.zeros(0, np.int64)
         assert births.size == np.unique(births).size == int(plan.computed.sum())
         read_before: set[int] = set()
@@ -212,12 +218,8 @@ def test_in_place_plans_are_safe_in_one_forward(first: Conversation, second: Con
             rotated = {int(d) for s, d in zip(segment.copies.src, segment.copies.dst) if s == d}
             assert not rotated & read_before, "an earlier segment of the forward reads a slot rotated in place"
             read_before |= set(segment.prefix_slots.tolist()) | set(segment.copies.src.tolist())
-        reply = conv.reply(turn)
-        slots = core.allocate(reply.size)
-        kv.write_generated(slots, brute_layout(append_generated(program, reply), intern), program.n_tokens, pool)
-        core.finish(request, reply, slots)
-    core.flush()
-    assert pool.n_free == pool.size and not kv.content
+
+    _serve_alternately(first, second, check, in_place=True)
 
 
 def test_an_in_place_plan_takes_no_copy_slot_and_keeps_its_births() -> None:

@@ -7,7 +7,6 @@ edits are 400s naming the field."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,14 +24,11 @@ from akv.system.reference.model import ReferenceModel
 from akv.system.reference.oracle import run_program
 from akv.system.reference_server import Engine, ReferenceServer
 
+from anthropic_conversation import OPENAI_TOOLS, TOOLS, anthropic_messages, openai_messages
 from http_client import post
 from .conftest import MODEL_NAME
 
 QWEN3_TEMPLATE = Path(__file__).parents[1] / "context" / "templates" / "qwen3.jinja"
-SCHEMA = {"type": "object", "properties": {"id": {"type": "string"}}}
-TOOLS = [{"name": "read_record", "description": "read a record", "input_schema": SCHEMA}]
-OPENAI_TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "read a record",
-                                                  "parameters": SCHEMA}}]
 N_TURNS = 4
 KEEP_TOOL_USES = 1
 TRIGGER_TOOL_USES = 2
@@ -46,29 +42,8 @@ EQUIVALENT = {"drop_rule": {"type": "thinking_drop", "thinking": {"4": [1], "6":
                             "drop_messages": {"6": [2, 4], "8": [6]}}}
 
 
-def record(i: int) -> str:
-    return f"record {i}: {i * 3 + 2} crates of tea, seal {i * 131 % 997}; next record {i + 1}"
-
-
-def anthropic_messages(n_turns: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is shipment 7? Start at record 0."}]
-    for i in range(n_turns):
-        messages.append({"role": "assistant", "content": [
-            {"type": "thinking", "thinking": f"record {i} names the next one", "signature": "local"},
-            {"type": "tool_use", "id": f"toolu_{i}", "name": "read_record", "input": {"id": str(i)}}]})
-        messages.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": record(i)}]})
-    return messages
-
-
-def openai_messages(n_turns: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is shipment 7? Start at record 0."}]
-    for i in range(n_turns):
-        messages.append({"role": "assistant", "content": None, "reasoning_content": f"record {i} names the next one",
-                         "tool_calls": [{"id": f"toolu_{i}", "type": "function", "function": {
-                             "name": "read_record", "arguments": json.dumps({"id": str(i)})}}]})
-        messages.append({"role": "tool", "tool_call_id": f"toolu_{i}", "content": record(i)})
-    return messages
+def thought(i: int) -> str:
+    return f"record {i} names the next one"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +68,7 @@ def cache_state(engine: Engine) -> tuple[Any, ...]:
 
 
 def create(client: anthropic.Anthropic, n_turns: int, **kwargs: Any) -> Any:
-    return client.beta.messages.create(model=MODEL_NAME, max_tokens=5, messages=anthropic_messages(n_turns),
+    return client.beta.messages.create(model=MODEL_NAME, max_tokens=5, messages=anthropic_messages(n_turns, thought),
                                        tools=TOOLS, context_management={"edits": EDITS}, **kwargs)
 
 
@@ -104,14 +79,14 @@ def test_edits_are_served_as_the_equivalent_openai_program(qwen3_served: tuple[s
     for n in range(1, N_TURNS):  # the earlier turns of the conversation, each with the same edits
         create(client, n)
     before = cache_state(engine)
-    preview = client.beta.messages.count_tokens(model=MODEL_NAME, messages=anthropic_messages(N_TURNS), tools=TOOLS,
-                                                context_management={"edits": EDITS})
+    preview = client.beta.messages.count_tokens(model=MODEL_NAME, messages=anthropic_messages(N_TURNS, thought),
+                                                tools=TOOLS, context_management={"edits": EDITS})
     assert cache_state(engine) == before, "a dry run changed the pool or the tree"
     reply = create(client, N_TURNS)
 
     # applied_edits against a count from the message list: every tool result but the newest KEEP, and
     # the reasoning of every assistant turn but the last (the trigger fires at the last batch)
-    messages = anthropic_messages(N_TURNS)
+    messages = anthropic_messages(N_TURNS, thought)
     blocks = [b for m in messages if isinstance(m["content"], list) for b in m["content"]]
     results = sum(b["type"] == "tool_result" for b in blocks)
     thinking = sum(b["type"] == "thinking" for b in blocks)
@@ -122,10 +97,10 @@ def test_edits_are_served_as_the_equivalent_openai_program(qwen3_served: tuple[s
     assert all(e.cleared_input_tokens > 0 for e in edits.values())
 
     # the same program through the OpenAI path, checked against the oracle token by token
-    status, plain = post(url, {"model": MODEL_NAME, "messages": openai_messages(N_TURNS), "tools": OPENAI_TOOLS,
-                               "max_tokens": 5, "logprobs": True, **EQUIVALENT})
+    status, plain = post(url, {"model": MODEL_NAME, "messages": openai_messages(N_TURNS, thought),
+                               "tools": OPENAI_TOOLS, "max_tokens": 5, "logprobs": True, **EQUIVALENT})
     assert status == 200, plain
-    compiled = compile_request(engine.files.tokenizer, template_messages(openai_messages(N_TURNS)),
+    compiled = compile_request(engine.files.tokenizer, template_messages(openai_messages(N_TURNS, thought)),
                                template=engine.files.chat_template, tools=list(template_tools(OPENAI_TOOLS)),
                                **EQUIVALENT)
     program = compiled.program
@@ -152,7 +127,7 @@ def test_edits_are_served_as_the_equivalent_openai_program(qwen3_served: tuple[s
 
 def test_streamed_reply_parses_with_the_sdk(qwen3_served: tuple[str, Engine], client: anthropic.Anthropic) -> None:
     whole = create(client, N_TURNS)
-    with client.beta.messages.stream(model=MODEL_NAME, max_tokens=5, messages=anthropic_messages(N_TURNS),
+    with client.beta.messages.stream(model=MODEL_NAME, max_tokens=5, messages=anthropic_messages(N_TURNS, thought),
                                      tools=TOOLS, context_management={"edits": EDITS}) as stream:
         kinds = [event.type for event in stream]
         streamed = stream.get_final_message()
@@ -165,7 +140,7 @@ def test_streamed_reply_parses_with_the_sdk(qwen3_served: tuple[str, Engine], cl
 
 def test_chat_completions_dry_run_equals_the_request_that_follows(qwen3_served: tuple[str, Engine]) -> None:
     url, engine = qwen3_served
-    body = {"model": MODEL_NAME, "messages": openai_messages(2), "tools": OPENAI_TOOLS, "max_tokens": 3,
+    body = {"model": MODEL_NAME, "messages": openai_messages(2, thought), "tools": OPENAI_TOOLS, "max_tokens": 3,
             "drop_message": {"4": [2]}, "reposition": [4]}
     before = cache_state(engine)
     status, dry = post(url, {**body, "akv_dry_run": True})
@@ -187,7 +162,7 @@ def test_chat_completions_dry_run_equals_the_request_that_follows(qwen3_served: 
 def test_bad_edits_are_400s_naming_the_field(qwen3_served: tuple[str, Engine], edits: list[Any], tools: Any,
                                              field: str) -> None:
     url, engine = qwen3_served
-    messages = anthropic_messages(2) if tools else [{"role": "user", "content": "hello"}]
+    messages = anthropic_messages(2, thought) if tools else [{"role": "user", "content": "hello"}]
     before = cache_state(engine)
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         body = {"model": MODEL_NAME, "messages": messages, "context_management": {"edits": edits}}

@@ -32,42 +32,21 @@ from akv.system.reference.oracle import run_program
 from akv.system.reference_server.model_dir import ModelDir, load_model_dir
 
 from .conftest import patched_servers
+from anthropic_conversation import OPENAI_TOOLS, TOOLS, anthropic_messages, openai_messages
 from http_client import post, post_ok
 
 pytestmark = pytest.mark.slow
 
-SCHEMA = {"type": "object", "properties": {"id": {"type": "string"}}}
-TOOLS = [{"name": "read_record", "description": "read a record", "input_schema": SCHEMA}]
-OPENAI_TOOLS = [{"type": "function", "function": {"name": "read_record", "description": "read a record",
-                                                  "parameters": SCHEMA}}]
 N_TURNS = 4
 KEEP = 1
 EDITS = [{"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 2},
           "keep": {"type": "tool_uses", "value": KEEP}}]
 
 
-def record(i: int) -> str:
-    return f"record {i}: {i * 3 + 2} crates, seal {i * 131 % 997}; next {i + 1}"
-
-
-def anthropic_messages(n_turns: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is shipment 7? Start at record 0."}]
-    for i in range(n_turns):
-        messages.append({"role": "assistant", "content": [
-            {"type": "tool_use", "id": f"toolu_{i}", "name": "read_record", "input": {"id": str(i)}}]})
-        messages.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": record(i)}]})
-    return messages
-
-
 def equivalent(n_turns: int) -> dict[str, Any]:
     """The OpenAI-path request the edits mean (user 0; turn i: call 2i+1, result 2i+2): from the third
     tool result on (more than 2 tool uses), every result but the newest is dropped at each batch."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is shipment 7? Start at record 0."}]
-    for i in range(n_turns):
-        messages.append({"role": "assistant", "tool_calls": [{"id": f"toolu_{i}", "type": "function", "function": {
-            "name": "read_record", "arguments": json.dumps({"id": str(i)})}}]})
-        messages.append({"role": "tool", "tool_call_id": f"toolu_{i}", "content": record(i)})
+    messages = openai_messages(n_turns)
     drops: dict[str, list[int]] = {}
     dropped: set[int] = set()
     for k in range(3, n_turns + 1):
@@ -163,14 +142,6 @@ def thought(i: int) -> str:
     return f"record {i} names record {i + 1}, so that one is next"
 
 
-def thinking_messages(n_turns: int) -> list[dict[str, Any]]:
-    """The tool-use conversation with a thinking block leading each assistant turn."""
-    messages = anthropic_messages(n_turns)
-    for i in range(n_turns):
-        messages[2 * i + 1]["content"].insert(0, {"type": "thinking", "thinking": thought(i), "signature": "local"})
-    return messages
-
-
 def thinking_equivalent(n_turns: int) -> dict[str, Any]:
     """The OpenAI-path request `clear_thinking_20251015` means: each thinking block as the leading
     `<think>` block of its assistant message (as SGLang's conversion wraps it with the qwen3 reasoning
@@ -206,7 +177,7 @@ def test_clear_thinking_equals_the_oracle_run_of_its_program(client: anthropic.A
                                                              reference_url: str, tiny_qwen3: Path) -> None:
     model, files = ReferenceModel.from_pretrained(tiny_qwen3), load_model_dir(tiny_qwen3)
     for n in range(1, N_TURNS + 1):
-        messages = thinking_messages(n)
+        messages = anthropic_messages(n, thought)
         edits = {"edits": THINKING_EDITS}
         preview = client.beta.messages.count_tokens(model="default", tools=TOOLS, messages=messages,
                                                     context_management=edits)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from akv.system.adapter import host_rows, tp_check
 from akv.system.adapter.device import to_device
 from akv.system.adapter.context_request import VISIBLE_ALWAYS, AkvRequest
 from akv.system.adapter.copy_executor import CopyBatch
-from akv.system.adapter.extend_entries import EntryLists, ExtendEntries, add_layer_jobs, pieces
+from akv.system.adapter.extend_entries import EntryLists, ExtendEntries, add_layer_jobs, context_round
 from akv.system.adapter.prefill_timing import ForwardTimer
 from akv.system.cache.plan import CopyJob
 from akv.system.kernels import VisibleUntil, decode_kv_indices
@@ -115,17 +116,9 @@ def for_extend(batch: Any, out_cache_loc: torch.Tensor) -> AkvForward | None:
         # context request's prompt KV (reused, copied, born) is all in the core's pool
         req.cache_protected_len = hi
         req.cached_tokens = state.first_usage.cached_tokens
-        jobs = []
-        for a, b, segment in pieces(state, lo, hi):
-            if cache.positions is not None and a == segment.start:
-                cache.positions.write_segment(req.req_pool_idx, segment)
-            positions.append(state.round_positions(a, b))
-            # the segment's visible columns in column order (``prefix_tokens`` ascend), then its earlier queries
-            prefix = np.concatenate([state.resolve(segment.prefix_slots), state.active.births[segment.start : a]])
-            entries.context(prefix, state.active.births[a:b])
-            job = state.round_copies(a)
-            if job is not None:
-                jobs.append(job)
+        write_segment = None if cache.positions is None else partial(cache.positions.write_segment, req.req_pool_idx)
+        round_positions, jobs = context_round(entries, state, lo, hi, write_segment)
+        positions.extend(round_positions)
         add_layer_jobs(layer_jobs, jobs)
         rows.append(req.req_pool_idx + 1)
         queries.append(lo)

@@ -10,7 +10,7 @@ copy that reads a slot another copy writes runs in a later level.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,25 @@ def pieces(state: Any, lo: int, hi: int) -> Iterator[tuple[int, int, Segment]]:
         end = min(hi, segment.end)
         yield lo, end, segment
         lo = end
+
+
+def context_round(entries: EntryLists, state: Any, lo: int, hi: int,
+                  on_segment: Callable[[Segment], None] | None = None) -> tuple[list[np.ndarray], list[CopyJob]]:
+    """A context request's columns ``[lo, hi)`` of a prefill round: each segment piece's attention
+    entry goes to ``entries`` (the segment's visible columns in column order, then its earlier
+    queries); returns the pieces' query positions and the copies that run before them.
+    ``on_segment`` sees each segment the round starts."""
+    positions, jobs = [], []
+    for a, b, segment in pieces(state, lo, hi):
+        if on_segment is not None and a == segment.start:
+            on_segment(segment)
+        positions.append(state.round_positions(a, b))
+        prefix = np.concatenate([state.resolve(segment.prefix_slots), state.active.births[segment.start : a]])
+        entries.context(prefix, state.active.births[a:b])
+        job = state.round_copies(a)
+        if job is not None:
+            jobs.append(job)
+    return positions, jobs
 
 
 def add_layer_jobs(levels: list[list[CopyJob]], jobs: list[CopyJob]) -> None:
