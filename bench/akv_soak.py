@@ -11,7 +11,11 @@ tokens with another event history; at the fork a retry of 2 agents' turn sent al
 wave 1 a client that disconnects mid-stream; streamed and non-streamed requests; two bad requests
 (a misspelt ``drop_messages``, a drop of a later message) that must be 400s naming the field.
 Each wave also carries a sampled pair, a context request and the same messages plain (greedy, 8
-tokens, log-probs), answered again by the reference server after the wave and judged by
+tokens, log-probs); the context request goes first, right after its lane's previous turn sent again,
+and the rest of the wave follows at once while the server holds it, so what it reuses (cached and
+re-rotated tokens, ``context_sample_reuse`` in the wave's row) is what the design promises under the
+pressure that follows, not what the race of the wave left resident. Each pair is answered again by
+the reference server after the wave and judged by
 ``bench.harness.oracle.verdict`` (context error within 1.5x the plain requests', tokens equal where the
 reference's top-2 margin exceeds that, prompt and drop-skipped tokens equal: cached and re-rotated
 counts depend on what the soak left resident); a sample that would overrun the deadline is skipped
@@ -275,6 +279,21 @@ def problems(outcome: dict[str, Any], job: Job) -> list[str]:
     return []
 
 
+def held_by(url: str, requests: int, timeout: float) -> bool:
+    """Wait until the server holds ``requests`` requests (running or waiting); whether it did in time."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with cli.open_request(f"{url}/v1/loads?include=core", timeout=5) as r:
+                load = json.loads(r.read())["loads"][0]
+            if load["num_running_reqs"] + load["num_waiting_reqs"] >= requests:
+                return True
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(0.02)
+    return False
+
+
 class Sampler(threading.Thread):
     """``/metrics`` and ``/v1/loads`` every ``period`` seconds until stopped."""
 
@@ -401,12 +420,13 @@ class Soak:
                 break
             if turn == s.fork:  # the same messages from here on, other drops: the same tokens, another history
                 branches = [(i, agents[i].fork(f"branch{i}", "assistant")) for i in range(s.branches)]
+            lanes = agents + [branch for _, branch in branches]
+            previous = {lane.name: lane.body() for lane in lanes}
             sizes = [rng.randint(*s.result_tokens) for _ in agents]
             for agent, size in zip(agents, sizes):
                 agent.advance(turn, size)
             for i, branch in branches:
                 branch.advance(turn, sizes[i])
-            lanes = agents + [branch for _, branch in branches]
             jobs = [Job(f"{lane.name}-t{turn}", lane.body(), stream=(k + turn) % 2 == 1)
                     for k, lane in enumerate(lanes)]
             if turn == s.fork:
@@ -426,24 +446,34 @@ class Soak:
                 jobs.append(Job("bad-drop-of-a-later-message", {**agents[1].body(), "drop_message": {"1": [last]}},
                                 "bad", param="drop_message"))
             jobs.append(Job(f"plain-w{turn}", sample_lane.body(plain=True), "sample"))
+            lead: list[Job] = []
             if context:
-                jobs.append(Job(f"context-w{turn}", sample_lane.body(), "sample"))
+                lead = [Job(f"{sample_lane.name}-t{turn - 1}-again", previous[sample_lane.name], "retry"),
+                        Job(f"context-w{turn}", sample_lane.body(), "sample")]
             self.last_lanes = lanes
-            sample_cost, stuck = self.wave(turn, jobs, url, reference_url, sample_cost)
+            sample_cost, stuck = self.wave(turn, lead, jobs, url, reference_url, sample_cost)
             if stuck:
                 self.report["traffic_cut"] = f"stopped after wave {turn}: {stuck}"
                 break
 
-    def wave(self, turn: int, jobs: list[Job], url: str, reference_url: str,
+    def wave(self, turn: int, lead: list[Job], jobs: list[Job], url: str, reference_url: str,
              sample_cost: float) -> tuple[float, str | None]:
-        """Send ``jobs`` at once, check every outcome, then the samples against the reference (those that
-        fit before the deadline); returns the running estimate of one sample's reference time, and why
-        the traffic cannot go on (requests timed out or the server unreachable) or None."""
+        """Send ``lead`` (at most the sampled lane's previous turn again, then its context request)
+        before ``jobs``: the first alone, the second ahead of the rest, which are sent at once as soon as
+        the server holds it; check every outcome, then the samples against the reference (those that fit
+        before the deadline); returns the running estimate of one sample's reference time, and why the
+        traffic cannot go on (requests timed out or the server unreachable) or None."""
         started = time.time()
         self.marks.append((started - self.sampler.t0, f"w{turn}"))
         timeout = max(5.0, min(self.scale.wave_timeout_s, self.left() - FINAL_RESERVE_S))
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            outcomes = list(pool.map(lambda job: send(url, job, self.scale.max_tokens, timeout), jobs))
+        outcomes = [send(url, job, self.scale.max_tokens, timeout) for job in lead[:1]]
+        with ThreadPoolExecutor(max_workers=len(jobs) + 1) as pool:
+            ahead = [pool.submit(send, url, job, self.scale.max_tokens, timeout) for job in lead[1:]]
+            if ahead:
+                held_by(url, 1, timeout=10.0)
+            rest = list(pool.map(lambda job: send(url, job, self.scale.max_tokens, timeout), jobs))
+            outcomes += [f.result() for f in ahead] + rest
+        jobs = lead + jobs
         failures = [p for job, outcome in zip(jobs, outcomes) for p in problems(outcome, job)]
         samples: dict[str, Any] = {}
         for job, outcome in zip(jobs, outcomes):
@@ -471,7 +501,9 @@ class Soak:
         latest = self.sampler.samples[-1] if self.sampler.samples else {}
         row = {"wave": turn, "requests": len(jobs), "seconds": round(time.time() - started, 1), "statuses": statuses,
                "max_prompt_tokens": max(((o.get("usage") or {}).get("prompt_tokens") or 0) for o in outcomes),
-               "failures": failures, "samples": samples, "akv_evicted_tokens": latest.get("akv_evicted_tokens_total")}
+               "failures": failures, "samples": samples, "akv_evicted_tokens": latest.get("akv_evicted_tokens_total"),
+               "context_sample_reuse": next((((o.get("usage") or {}).get("prompt_tokens_details") or {})
+                                             for job, o in zip(jobs, outcomes) if job.name == f"context-w{turn}"), None)}
         self.report["waves"].append(row)
         self.report["failures"] += failures
         self.summarise()

@@ -41,6 +41,9 @@ def test_dry_run_soak_evicts_stays_exact_and_leaves_the_pool_empty(dry_run: tupl
     assert traffic["five_xx"] == 0 and traffic["bad_requests"] == 2
     assert traffic["deliberate_disconnects"] == akv_soak.CPU.turns - 1
     assert traffic["drop_skipped_tokens"] > 0 and traffic["repos_tokens"] > 0 and traffic["streamed"] > 0
+    reuse = [w["context_sample_reuse"] for w in report["waves"]]
+    assert reuse[:2] == [None, None] and all(r["cached_tokens"] > 0 for r in reuse[2:]), reuse
+    assert reuse[3]["repos_tokens"] > 0, reuse  # turn 3 repositions: the resident turn-2 KV is re-rotated
     after = report["after"]
     assert after["flush_status"] == 200 and after["pool_empty"], after
     assert after["final"] == {"used": 0, "pool": pool, "kv_available_tokens": pool, "kv_evictable_tokens": 0}
