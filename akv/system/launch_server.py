@@ -8,15 +8,20 @@ refuses flags that contradict them (and a disabled radix cache or chunked prefil
 flag to SGLang's own launcher. Give the model's ``--reasoning-parser`` (e.g. ``qwen3``) for the
 Anthropic ``clear_thinking_20251015`` edit on ``/v1/messages``: without one SGLang leaves earlier
 thinking blocks out of the prompt, and the edit on a conversation that has them is refused (400).
+A PD server (``--disaggregation-mode prefill|decode`` over Mooncake) loads Mooncake's transfer engine
+first and, when it cannot, says in one line what is missing; PD servers serve plain requests only
+(context requests are refused until AKV's PD hooks exist: README, PD section).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +203,49 @@ def check_server_args(server_args: Any) -> None:
                           "KV that a Drop brings back into the window (give --disable-hybrid-swa-memory)")
 
 
+PD_INSTALL_COMMAND = 'python -m pip install -e ".[pd]"'
+MOONCAKE_BACKENDS = ("mooncake", "mooncake_tcp")
+_SYSTEM_LIBRARIES = {
+    "libibverbs.so.1": "Debian/Ubuntu packages libibverbs1 and ibverbs-providers",
+    "libmlx5.so.1": "Debian/Ubuntu packages libibverbs1 and ibverbs-providers",
+    "libnuma.so.1": "Debian/Ubuntu package libnuma1",
+    "libcurl.so.4": "Debian/Ubuntu package libcurl4",
+    "libcuda.so.1": "the NVIDIA driver",
+    "libcudart.so.13": "the CUDA 13 runtime (libcudart.so.13 on the library path)",
+}
+"""Shared libraries Mooncake's ``engine.so`` needs that its wheel does not bundle, and where they come from."""
+
+
+def load_transfer_engine() -> None:
+    """Import Mooncake's transfer engine as SGLang does (torch first: it loads the CUDA runtime)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    importlib.import_module("mooncake.engine")
+
+
+def check_transfer_engine(server_args: Any, load: Callable[[], None] = load_transfer_engine) -> None:
+    """LaunchError, one line naming what is missing, when a PD server (``--disaggregation-mode
+    prefill|decode`` over Mooncake) cannot load Mooncake's transfer engine."""
+    mode, backend = server_args.disaggregation_mode, server_args.disaggregation_transfer_backend
+    if mode not in ("prefill", "decode") or backend not in MOONCAKE_BACKENDS:
+        return
+    needs = f"--disaggregation-mode {mode} needs Mooncake's transfer engine (mooncake.engine)"
+    try:
+        load()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "mooncake":
+            raise LaunchError(f"{needs}, which cannot import {exc.name}: {PD_INSTALL_COMMAND}") from exc
+        raise LaunchError(f"{needs}, which is not installed: {PD_INSTALL_COMMAND}") from exc
+    except (ImportError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        library = next((lib for lib in _SYSTEM_LIBRARIES if lib in reason), None)
+        fix = (f"install {_SYSTEM_LIBRARIES[library]}" if library is not None
+               else f"reinstall it with {PD_INSTALL_COMMAND}")
+        raise LaunchError(f"{needs}, which cannot load: {reason}; {fix}") from exc
+
+
 def usage(version: str | None) -> str:
     """The launcher's own help: what it adds, and where the rest of the flags are described."""
     added = ", ".join(f"{flag} {value}" for flag, value in AKV_DEFAULTS.items() if flag != "--attention-backend")
@@ -233,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     server_args = prepare_server_args(args)
     try:
         check_server_args(server_args)
+        check_transfer_engine(server_args)
     except LaunchError as exc:
         print(f"akv.system.launch_server: {exc}", file=sys.stderr)
         return 2

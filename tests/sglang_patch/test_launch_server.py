@@ -172,3 +172,88 @@ def test_cli_exits_with_message_when_sglang_is_stock(tmp_path: Path) -> None:
                           env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 2
     assert "not the AKV build" in done.stderr and ls.BUILD_COMMAND in done.stderr
+
+
+# ---------------------------------------------------------------- PD: Mooncake's transfer engine ---
+
+def _pd(mode: str, backend: str = "mooncake") -> SimpleNamespace:
+    return SimpleNamespace(disaggregation_mode=mode, disaggregation_transfer_backend=backend)
+
+
+def _fails(error: BaseException):
+    def load() -> None:
+        raise error
+    return load
+
+
+def test_the_engine_is_loaded_only_for_a_pd_server_over_mooncake() -> None:
+    calls = []
+    for args in (_pd("null"), _pd("prefill", "nixl"), _pd("decode", "fake")):
+        ls.check_transfer_engine(args, load=lambda: calls.append(1))
+    assert calls == []
+    for args in (_pd("prefill"), _pd("decode"), _pd("prefill", "mooncake_tcp")):
+        ls.check_transfer_engine(args, load=lambda: calls.append(1))
+    assert calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("error", "says"),
+    [
+        (ModuleNotFoundError("No module named 'mooncake'", name="mooncake"),
+         'which is not installed: python -m pip install -e ".[pd]"'),
+        (ModuleNotFoundError("No module named 'msgpack'", name="msgpack"), "which cannot import msgpack"),
+        (ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory"),
+         "cannot load: libibverbs.so.1: cannot open shared object file: No such file or directory; install "
+         "Debian/Ubuntu packages libibverbs1 and ibverbs-providers"),
+        (ImportError("libcuda.so.1: cannot open shared object file: No such file or directory"),
+         "install the NVIDIA driver"),
+        (ImportError("engine.so: undefined symbol: _ZN4glog\nsecond line"),
+         'cannot load: engine.so: undefined symbol: _ZN4glog; reinstall it with python -m pip install -e ".[pd]"'),
+    ],
+)
+def test_a_missing_engine_is_named_in_one_line(error: BaseException, says: str) -> None:
+    with pytest.raises(ls.LaunchError) as info:
+        ls.check_transfer_engine(_pd("decode"), load=_fails(error))
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("--disaggregation-mode decode needs Mooncake's transfer engine")
+    assert says in text
+
+
+_LAUNCH_CHECKS = """
+import sys
+from types import SimpleNamespace
+from akv.system import launch_server as ls
+for folder in sys.argv[1:]:
+    sys.path.insert(0, folder)
+    try:
+        ls.check_transfer_engine(SimpleNamespace(disaggregation_mode="prefill",
+                                                 disaggregation_transfer_backend="mooncake_tcp"))
+        print("loaded")
+    except ls.LaunchError as exc:
+        print(exc)
+    sys.path.remove(folder)
+    for name in [m for m in sys.modules if m.split(".")[0] == "mooncake"]:
+        del sys.modules[name]
+"""
+
+
+@pytest.mark.slow
+def test_the_real_loader_imports_mooncake_engine(tmp_path: Path) -> None:
+    """Through the real import, in one fresh process: a ``mooncake`` without its engine, an engine
+    whose shared library does not load (as ``engine.so`` does without libibverbs), one that loads."""
+    engines = [None, "import ctypes\nctypes.CDLL('libakv_absent_for_test.so.1')\n", "class TransferEngine: pass\n"]
+    folders = []
+    for i, source in enumerate(engines):
+        pkg = tmp_path / str(i) / "mooncake"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        if source is not None:
+            (pkg / "engine.py").write_text(source)
+        folders.append(str(tmp_path / str(i)))
+    done = subprocess.run([sys.executable, "-c", _LAUNCH_CHECKS, *folders], capture_output=True, text=True,
+                          check=False, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    missing, broken, fine = done.stdout.strip().splitlines()
+    assert "which is not installed" in missing
+    assert "cannot load: libakv_absent_for_test.so.1" in broken
+    assert fine == "loaded"
