@@ -190,3 +190,32 @@ def test_metadata_rides_in_the_spare_columns_of_the_cached_tokens_row() -> None:
     assert "did not send context-request metadata" in check_received(meta.layout, None)
     with pytest.raises(ValueError, match="int32"):
         PdMetadata(DecodeLayout(2**31, 2**31), Usage(0, 0, 0, 0)).columns()
+
+
+def _computed_per_turn(conv: Conversation, *, pd: bool) -> list[int]:
+    """``computed_tokens`` of each turn, served in order by one cache core: as one server (the reply's
+    KV, all but its last token's, is published with the turn) or as a PD prefill server (the reply's KV
+    stays on the decode server, so only the prompt is published)."""
+    core = CacheCore(SlotPool(POOL))
+    out = []
+    for turn in range(conv.n_turns):
+        request = core.admit(conv.program(turn), in_place=True)
+        out.append(request.plan.usage.computed_tokens)
+        reply = conv.reply(turn)[:-1]
+        if pd:
+            core.finish(request)
+        else:
+            core.finish(request, reply, core.allocate(reply.size))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversations(max_messages=8))
+def test_the_next_turn_on_a_pd_pair_prefills_the_previous_reply_again(conv: Conversation) -> None:
+    """The decode server keeps no occurrence tree, so the next turn is planned on the prefill server,
+    whose tree lacks the reply: each turn computes exactly the previous reply's tokens that had KV
+    (its length less one) more than on one server, whatever the drops and repositions."""
+    single, pd = _computed_per_turn(conv, pd=False), _computed_per_turn(conv, pd=True)
+    assert pd[0] == single[0]
+    for turn in range(1, conv.n_turns):
+        assert pd[turn] - single[turn] == len(conv.messages[turn]) - 1, f"turn {turn}"
