@@ -9,8 +9,9 @@ flag to SGLang's own launcher. Give the model's ``--reasoning-parser`` (e.g. ``q
 Anthropic ``clear_thinking_20251015`` edit on ``/v1/messages``: without one SGLang leaves earlier
 thinking blocks out of the prompt, and the edit on a conversation that has them is refused (400).
 A PD server (``--disaggregation-mode prefill|decode`` over Mooncake) loads Mooncake's transfer engine
-first and, when it cannot, says in one line what is missing; PD servers serve plain requests only
-(context requests are refused until AKV's PD hooks exist: README, PD section).
+first and, when it cannot, says in one line what is missing; a decode server keeps the cache SGLang
+gives it (no ``--radix-cache-backend akv``). PD servers serve plain requests only (context requests
+are refused until AKV's PD hooks exist: README, PD section).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 AKV_SWITCHES: tuple[str, ...] = ("--disable-hybrid-swa-memory",)
 """Switches added when absent. Hybrid SWA memory (gpt-oss's default) frees the KV of sliding-layer
 keys that left the window, which a Drop brings back into it."""
+
+DECODE_RADIX_CACHE = ("--radix-cache-backend conflicts with --disaggregation-mode decode: a decode server keeps "
+                      "SGLang's own cache (it receives KV and computes no prompt; leave the flag out)")
 
 _SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag in ALLOWED}
 
@@ -165,6 +169,10 @@ def apply_akv_defaults(argv: list[str], machine: Machine | None = None) -> list[
             given[flag] = value
         i += 1
     defaults = dict(AKV_DEFAULTS)
+    if _flag_value(argv, "--disaggregation-mode") == "decode":
+        if "--radix-cache-backend" in given:
+            raise LaunchError(DECODE_RADIX_CACHE)
+        del defaults["--radix-cache-backend"]
     if "--attention-backend" not in given:
         defaults["--attention-backend"] = default_attention_backend(argv, machine or Machine.detect())
     missing = [item for flag, value in defaults.items() if flag not in given for item in (flag, value)]
@@ -186,9 +194,15 @@ def _choices(flag: str) -> str:
 
 def check_server_args(server_args: Any) -> None:
     """Check SGLang's parsed arguments (catches abbreviated flags and ``--config`` files): the
-    required values, chunked prefill on (segments run as chunked-prefill rounds), a radix cache."""
+    required values, chunked prefill on (segments run as chunked-prefill rounds), a radix cache
+    (on a PD decode server: SGLang's own cache, as SGLang decides, and not AKV's)."""
+    decode = server_args.disaggregation_mode == "decode"
     for flag, field in _SERVER_ARGS_FIELDS.items():
         value = getattr(server_args, field)
+        if decode and flag == "--radix-cache-backend":
+            if value is not None:
+                raise LaunchError(DECODE_RADIX_CACHE)
+            continue
         if value is None and flag not in AKV_DEFAULTS:
             continue
         _require(flag, value)
@@ -196,7 +210,7 @@ def check_server_args(server_args: Any) -> None:
     if chunk is not None and chunk <= 0:
         raise LaunchError(f"--chunked-prefill-size {chunk} conflicts with AKV: context requests run as "
                           "chunked-prefill rounds (leave the flag out or give a positive size)")
-    if server_args.disable_radix_cache:
+    if server_args.disable_radix_cache and not decode:
         raise LaunchError("--disable-radix-cache conflicts with AKV: every request is served from its radix cache")
     if not server_args.disable_hybrid_swa_memory:
         raise LaunchError("disable_hybrid_swa_memory False conflicts with AKV: hybrid SWA memory frees sliding-layer "

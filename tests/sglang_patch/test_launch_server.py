@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +110,7 @@ def test_flag_without_value_is_refused(argv: list[str]) -> None:
 def test_parsed_server_args_are_checked_too() -> None:
     ok = SimpleNamespace(page_size=1, attention_backend="triton", prefill_attention_backend=None,
                          decode_attention_backend="triton", radix_cache_backend="akv", chunked_prefill_size=None,
-                         disable_radix_cache=False, disable_hybrid_swa_memory=True)
+                         disable_radix_cache=False, disable_hybrid_swa_memory=True, disaggregation_mode="null")
     ls.check_server_args(ok)
     ls.check_server_args(SimpleNamespace(**{**vars(ok), "attention_backend": "flashinfer",
                                             "decode_attention_backend": "flashinfer"}))
@@ -257,3 +258,65 @@ def test_the_real_loader_imports_mooncake_engine(tmp_path: Path) -> None:
     assert "which is not installed" in missing
     assert "cannot load: libakv_absent_for_test.so.1" in broken
     assert fine == "loaded"
+
+
+# ---------------------------------------------------------------- PD: the decode server's cache ---
+
+def test_a_decode_server_gets_no_akv_radix_cache() -> None:
+    """SGLang gives a PD decode server its chunk cache (it receives KV, computes no prompt): the
+    launcher adds no --radix-cache-backend there and refuses one given; a prefill server gets AKV's."""
+    decode = ["--model-path", "/m", "--disaggregation-mode", "decode"]
+    assert ls.apply_akv_defaults(decode, CPU) == decode + ["--page-size", "1", "--attention-backend", "triton",
+                                                           "--disable-hybrid-swa-memory"]
+    prefill = ["--model-path", "/m", "--disaggregation-mode=prefill"]
+    assert ls._flag_value(ls.apply_akv_defaults(prefill, CPU), "--radix-cache-backend") == "akv"
+    with pytest.raises(ls.LaunchError, match="--radix-cache-backend conflicts with --disaggregation-mode decode"):
+        ls.apply_akv_defaults(decode + ["--radix-cache-backend", "akv"], CPU)
+
+
+def test_parsed_args_of_a_decode_server_accept_sglang_s_chunk_cache() -> None:
+    parsed = dict(page_size=1, attention_backend="triton", prefill_attention_backend=None,
+                  decode_attention_backend=None, chunked_prefill_size=8192, disable_hybrid_swa_memory=True)
+    ls.check_server_args(SimpleNamespace(**parsed, radix_cache_backend=None, disable_radix_cache=True,
+                                         disaggregation_mode="decode"))
+    with pytest.raises(ls.LaunchError, match="conflicts with --disaggregation-mode decode"):
+        ls.check_server_args(SimpleNamespace(**parsed, radix_cache_backend="akv", disable_radix_cache=True,
+                                             disaggregation_mode="decode"))
+    with pytest.raises(ls.LaunchError, match="--disable-radix-cache conflicts with AKV"):
+        ls.check_server_args(SimpleNamespace(**parsed, radix_cache_backend="akv", disable_radix_cache=True,
+                                             disaggregation_mode="prefill"))
+
+
+_PARSE_PD = """
+import sys
+import cpu_shim
+cpu_shim.install()
+from akv.system import launch_server as ls
+from sglang.srt.server_args import prepare_server_args
+model = sys.argv[1]
+for mode in ("prefill", "decode"):
+    argv = ls.apply_akv_defaults(["--model-path", model, "--device", "cpu", "--disaggregation-mode", mode,
+                                  "--disaggregation-transfer-backend", "mooncake_tcp"], ls.Machine(False, False))
+    args = prepare_server_args(argv)
+    try:
+        ls.check_server_args(args)
+        print(mode, "ok", args.radix_cache_backend, args.disable_radix_cache)
+    except ls.LaunchError as exc:
+        print(mode, "refused:", exc)
+"""
+
+
+@pytest.mark.slow
+def test_sglang_s_own_parser_gives_pd_servers_args_the_launcher_accepts(patched_site: Path, tmp_path: Path) -> None:
+    """SGLang's ``prepare_server_args`` (the patched build, CPU) turns a decode server's radix cache off
+    itself; the launcher accepts both servers' parsed arguments (it refused the decode server's)."""
+    from akv.system.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3)
+    here = ROOT / "tests" / "sglang_patch"
+    done = subprocess.run([sys.executable, "-c", _PARSE_PD, str(model)], capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_site), str(ROOT), str(here)])},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("prefill ", "decode "))]
+    assert lines == ["prefill ok akv False", "decode ok None True"], done.stdout[-3000:]
