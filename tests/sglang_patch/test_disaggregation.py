@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -180,7 +181,7 @@ def test_metadata_rides_in_the_spare_columns_of_the_cached_tokens_row() -> None:
     """Columns 0–6 (SGLang's cached and multimodal counts) are left alone; a plain request's row reads
     as None, which the decode server refuses for a context request."""
     meta = PdMetadata(DecodeLayout(5, 9), Usage(3, 1, 4, 2))
-    row = np.full(16, 77, dtype=np.int32)
+    row = torch.full((16,), 77, dtype=torch.int32)  # one row of SGLang's MetadataBuffers.cached_tokens
     meta.write(row)
     assert row[:7].tolist() == [77] * 7 and row[14:].tolist() == [77, 77]
     assert row[list(METADATA_COLUMNS)].tolist() == [CONTEXT_MARKER, 5, 9, 3, 1, 4, 2]

@@ -18,8 +18,8 @@ that both sides compiled the same program.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -102,14 +102,14 @@ class PdMetadata:
             raise ValueError(f"metadata: {values} do not fit int32")
         return values
 
-    def write(self, row: np.ndarray | Sequence[int]) -> None:
-        """Write into one request's ``cached_tokens`` row (a numpy array or a CPU tensor)."""
+    def write(self, row: Any) -> None:
+        """Write into one request's ``cached_tokens`` row (a numpy array or a CPU tensor of 16 int32)."""
         for column, value in zip(METADATA_COLUMNS, self.columns()):
             row[column] = value
 
     @classmethod
-    def read(cls, row: np.ndarray | Sequence[int]) -> PdMetadata | None:
-        """The metadata in ``row``, or None when the prefill server sent a plain request's row."""
+    def read(cls, row: Any) -> PdMetadata | None:
+        """The metadata in ``row``, or None when the row carries none (no AKV prefill server wrote it)."""
         values = [int(row[c]) for c in METADATA_COLUMNS]
         if values[0] != CONTEXT_MARKER:
             return None
