@@ -8,15 +8,21 @@ refuses flags that contradict them (and a disabled radix cache or chunked prefil
 flag to SGLang's own launcher. Give the model's ``--reasoning-parser`` (e.g. ``qwen3``) for the
 Anthropic ``clear_thinking_20251015`` edit on ``/v1/messages``: without one SGLang leaves earlier
 thinking blocks out of the prompt, and the edit on a conversation that has them is refused (400).
+A PD server (``--disaggregation-mode prefill|decode`` over Mooncake) loads Mooncake's transfer engine
+first and, when it cannot, says in one line what is missing; a decode server keeps the cache SGLang
+gives it (no ``--radix-cache-backend akv``). PD servers serve plain requests only (context requests
+are refused until AKV's PD hooks exist: README, PD section).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +54,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 AKV_SWITCHES: tuple[str, ...] = ("--disable-hybrid-swa-memory",)
 """Switches added when absent. Hybrid SWA memory (gpt-oss's default) frees the KV of sliding-layer
 keys that left the window, which a Drop brings back into it."""
+
+DECODE_RADIX_CACHE = ("--radix-cache-backend conflicts with --disaggregation-mode decode: a decode server keeps "
+                      "SGLang's own cache (it receives KV and computes no prompt; leave the flag out)")
 
 _SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag in ALLOWED}
 
@@ -160,6 +169,10 @@ def apply_akv_defaults(argv: list[str], machine: Machine | None = None) -> list[
             given[flag] = value
         i += 1
     defaults = dict(AKV_DEFAULTS)
+    if _flag_value(argv, "--disaggregation-mode") == "decode":
+        if "--radix-cache-backend" in given:
+            raise LaunchError(DECODE_RADIX_CACHE)
+        del defaults["--radix-cache-backend"]
     if "--attention-backend" not in given:
         defaults["--attention-backend"] = default_attention_backend(argv, machine or Machine.detect())
     missing = [item for flag, value in defaults.items() if flag not in given for item in (flag, value)]
@@ -181,9 +194,15 @@ def _choices(flag: str) -> str:
 
 def check_server_args(server_args: Any) -> None:
     """Check SGLang's parsed arguments (catches abbreviated flags and ``--config`` files): the
-    required values, chunked prefill on (segments run as chunked-prefill rounds), a radix cache."""
+    required values, chunked prefill on (segments run as chunked-prefill rounds), a radix cache
+    (on a PD decode server: SGLang's own cache, as SGLang decides, and not AKV's)."""
+    decode = server_args.disaggregation_mode == "decode"
     for flag, field in _SERVER_ARGS_FIELDS.items():
         value = getattr(server_args, field)
+        if decode and flag == "--radix-cache-backend":
+            if value is not None:
+                raise LaunchError(DECODE_RADIX_CACHE)
+            continue
         if value is None and flag not in AKV_DEFAULTS:
             continue
         _require(flag, value)
@@ -191,11 +210,54 @@ def check_server_args(server_args: Any) -> None:
     if chunk is not None and chunk <= 0:
         raise LaunchError(f"--chunked-prefill-size {chunk} conflicts with AKV: context requests run as "
                           "chunked-prefill rounds (leave the flag out or give a positive size)")
-    if server_args.disable_radix_cache:
+    if server_args.disable_radix_cache and not decode:
         raise LaunchError("--disable-radix-cache conflicts with AKV: every request is served from its radix cache")
     if not server_args.disable_hybrid_swa_memory:
         raise LaunchError("disable_hybrid_swa_memory False conflicts with AKV: hybrid SWA memory frees sliding-layer "
                           "KV that a Drop brings back into the window (give --disable-hybrid-swa-memory)")
+
+
+PD_INSTALL_COMMAND = 'python -m pip install -e ".[pd]"'
+MOONCAKE_BACKENDS = ("mooncake", "mooncake_tcp")
+_SYSTEM_LIBRARIES = {
+    "libibverbs.so.1": "Debian/Ubuntu packages libibverbs1 and ibverbs-providers",
+    "libmlx5.so.1": "Debian/Ubuntu packages libibverbs1 and ibverbs-providers",
+    "libnuma.so.1": "Debian/Ubuntu package libnuma1",
+    "libcurl.so.4": "Debian/Ubuntu package libcurl4",
+    "libcuda.so.1": "the NVIDIA driver",
+    "libcudart.so.13": "the CUDA 13 runtime (libcudart.so.13 on the library path)",
+}
+"""Shared libraries Mooncake's ``engine.so`` needs that its wheel does not bundle, and where they come from."""
+
+
+def load_transfer_engine() -> None:
+    """Import Mooncake's transfer engine as SGLang does (torch first: it loads the CUDA runtime)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    importlib.import_module("mooncake.engine")
+
+
+def check_transfer_engine(server_args: Any, load: Callable[[], None] = load_transfer_engine) -> None:
+    """LaunchError, one line naming what is missing, when a PD server (``--disaggregation-mode
+    prefill|decode`` over Mooncake) cannot load Mooncake's transfer engine."""
+    mode, backend = server_args.disaggregation_mode, server_args.disaggregation_transfer_backend
+    if mode not in ("prefill", "decode") or backend not in MOONCAKE_BACKENDS:
+        return
+    needs = f"--disaggregation-mode {mode} needs Mooncake's transfer engine (mooncake.engine)"
+    try:
+        load()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "mooncake":
+            raise LaunchError(f"{needs}, which cannot import {exc.name}: {PD_INSTALL_COMMAND}") from exc
+        raise LaunchError(f"{needs}, which is not installed: {PD_INSTALL_COMMAND}") from exc
+    except (ImportError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        library = next((lib for lib in _SYSTEM_LIBRARIES if lib in reason), None)
+        fix = (f"install {_SYSTEM_LIBRARIES[library]}" if library is not None
+               else f"reinstall it with {PD_INSTALL_COMMAND}")
+        raise LaunchError(f"{needs}, which cannot load: {reason}; {fix}") from exc
 
 
 def usage(version: str | None) -> str:
@@ -233,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     server_args = prepare_server_args(args)
     try:
         check_server_args(server_args)
+        check_transfer_engine(server_args)
     except LaunchError as exc:
         print(f"akv.system.launch_server: {exc}", file=sys.stderr)
         return 2

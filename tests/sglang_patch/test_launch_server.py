@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +110,7 @@ def test_flag_without_value_is_refused(argv: list[str]) -> None:
 def test_parsed_server_args_are_checked_too() -> None:
     ok = SimpleNamespace(page_size=1, attention_backend="triton", prefill_attention_backend=None,
                          decode_attention_backend="triton", radix_cache_backend="akv", chunked_prefill_size=None,
-                         disable_radix_cache=False, disable_hybrid_swa_memory=True)
+                         disable_radix_cache=False, disable_hybrid_swa_memory=True, disaggregation_mode="null")
     ls.check_server_args(ok)
     ls.check_server_args(SimpleNamespace(**{**vars(ok), "attention_backend": "flashinfer",
                                             "decode_attention_backend": "flashinfer"}))
@@ -172,3 +173,150 @@ def test_cli_exits_with_message_when_sglang_is_stock(tmp_path: Path) -> None:
                           env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 2
     assert "not the AKV build" in done.stderr and ls.BUILD_COMMAND in done.stderr
+
+
+# ---------------------------------------------------------------- PD: Mooncake's transfer engine ---
+
+def _pd(mode: str, backend: str = "mooncake") -> SimpleNamespace:
+    return SimpleNamespace(disaggregation_mode=mode, disaggregation_transfer_backend=backend)
+
+
+def _fails(error: BaseException):
+    def load() -> None:
+        raise error
+    return load
+
+
+def test_the_engine_is_loaded_only_for_a_pd_server_over_mooncake() -> None:
+    calls = []
+    for args in (_pd("null"), _pd("prefill", "nixl"), _pd("decode", "fake")):
+        ls.check_transfer_engine(args, load=lambda: calls.append(1))
+    assert calls == []
+    for args in (_pd("prefill"), _pd("decode"), _pd("prefill", "mooncake_tcp")):
+        ls.check_transfer_engine(args, load=lambda: calls.append(1))
+    assert calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("error", "says"),
+    [
+        (ModuleNotFoundError("No module named 'mooncake'", name="mooncake"),
+         'which is not installed: python -m pip install -e ".[pd]"'),
+        (ModuleNotFoundError("No module named 'msgpack'", name="msgpack"), "which cannot import msgpack"),
+        (ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory"),
+         "cannot load: libibverbs.so.1: cannot open shared object file: No such file or directory; install "
+         "Debian/Ubuntu packages libibverbs1 and ibverbs-providers"),
+        (ImportError("libcuda.so.1: cannot open shared object file: No such file or directory"),
+         "install the NVIDIA driver"),
+        (ImportError("engine.so: undefined symbol: _ZN4glog\nsecond line"),
+         'cannot load: engine.so: undefined symbol: _ZN4glog; reinstall it with python -m pip install -e ".[pd]"'),
+    ],
+)
+def test_a_missing_engine_is_named_in_one_line(error: BaseException, says: str) -> None:
+    with pytest.raises(ls.LaunchError) as info:
+        ls.check_transfer_engine(_pd("decode"), load=_fails(error))
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("--disaggregation-mode decode needs Mooncake's transfer engine")
+    assert says in text
+
+
+_LAUNCH_CHECKS = """
+import sys
+from types import SimpleNamespace
+from akv.system import launch_server as ls
+for folder in sys.argv[1:]:
+    sys.path.insert(0, folder)
+    try:
+        ls.check_transfer_engine(SimpleNamespace(disaggregation_mode="prefill",
+                                                 disaggregation_transfer_backend="mooncake_tcp"))
+        print("loaded")
+    except ls.LaunchError as exc:
+        print(exc)
+    sys.path.remove(folder)
+    for name in [m for m in sys.modules if m.split(".")[0] == "mooncake"]:
+        del sys.modules[name]
+"""
+
+
+@pytest.mark.slow
+def test_the_real_loader_imports_mooncake_engine(tmp_path: Path) -> None:
+    """Through the real import, in one fresh process: a ``mooncake`` without its engine, an engine
+    whose shared library does not load (as ``engine.so`` does without libibverbs), one that loads."""
+    engines = [None, "import ctypes\nctypes.CDLL('libakv_absent_for_test.so.1')\n", "class TransferEngine: pass\n"]
+    folders = []
+    for i, source in enumerate(engines):
+        pkg = tmp_path / str(i) / "mooncake"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        if source is not None:
+            (pkg / "engine.py").write_text(source)
+        folders.append(str(tmp_path / str(i)))
+    done = subprocess.run([sys.executable, "-c", _LAUNCH_CHECKS, *folders], capture_output=True, text=True,
+                          check=False, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    missing, broken, fine = done.stdout.strip().splitlines()
+    assert "which is not installed" in missing
+    assert "cannot load: libakv_absent_for_test.so.1" in broken
+    assert fine == "loaded"
+
+
+# ---------------------------------------------------------------- PD: the decode server's cache ---
+
+def test_a_decode_server_gets_no_akv_radix_cache() -> None:
+    """SGLang gives a PD decode server its chunk cache (it receives KV, computes no prompt): the
+    launcher adds no --radix-cache-backend there and refuses one given; a prefill server gets AKV's."""
+    decode = ["--model-path", "/m", "--disaggregation-mode", "decode"]
+    assert ls.apply_akv_defaults(decode, CPU) == decode + ["--page-size", "1", "--attention-backend", "triton",
+                                                           "--disable-hybrid-swa-memory"]
+    prefill = ["--model-path", "/m", "--disaggregation-mode=prefill"]
+    assert ls._flag_value(ls.apply_akv_defaults(prefill, CPU), "--radix-cache-backend") == "akv"
+    with pytest.raises(ls.LaunchError, match="--radix-cache-backend conflicts with --disaggregation-mode decode"):
+        ls.apply_akv_defaults(decode + ["--radix-cache-backend", "akv"], CPU)
+
+
+def test_parsed_args_of_a_decode_server_accept_sglang_s_chunk_cache() -> None:
+    parsed = dict(page_size=1, attention_backend="triton", prefill_attention_backend=None,
+                  decode_attention_backend=None, chunked_prefill_size=8192, disable_hybrid_swa_memory=True)
+    ls.check_server_args(SimpleNamespace(**parsed, radix_cache_backend=None, disable_radix_cache=True,
+                                         disaggregation_mode="decode"))
+    with pytest.raises(ls.LaunchError, match="conflicts with --disaggregation-mode decode"):
+        ls.check_server_args(SimpleNamespace(**parsed, radix_cache_backend="akv", disable_radix_cache=True,
+                                             disaggregation_mode="decode"))
+    with pytest.raises(ls.LaunchError, match="--disable-radix-cache conflicts with AKV"):
+        ls.check_server_args(SimpleNamespace(**parsed, radix_cache_backend="akv", disable_radix_cache=True,
+                                             disaggregation_mode="prefill"))
+
+
+_PARSE_PD = """
+import sys
+import cpu_shim
+cpu_shim.install()
+from akv.system import launch_server as ls
+from sglang.srt.server_args import prepare_server_args
+model = sys.argv[1]
+for mode in ("prefill", "decode"):
+    argv = ls.apply_akv_defaults(["--model-path", model, "--device", "cpu", "--disaggregation-mode", mode,
+                                  "--disaggregation-transfer-backend", "mooncake_tcp"], ls.Machine(False, False))
+    args = prepare_server_args(argv)
+    try:
+        ls.check_server_args(args)
+        print(mode, "ok", args.radix_cache_backend, args.disable_radix_cache)
+    except ls.LaunchError as exc:
+        print(mode, "refused:", exc)
+"""
+
+
+@pytest.mark.slow
+def test_sglang_s_own_parser_gives_pd_servers_args_the_launcher_accepts(patched_site: Path, tmp_path: Path) -> None:
+    """SGLang's ``prepare_server_args`` (the patched build, CPU) turns a decode server's radix cache off
+    itself; the launcher accepts both servers' parsed arguments (it refused the decode server's)."""
+    from akv.system.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", arch="qwen3", seed=3)
+    here = ROOT / "tests" / "sglang_patch"
+    done = subprocess.run([sys.executable, "-c", _PARSE_PD, str(model)], capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(patched_site), str(ROOT), str(here)])},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("prefill ", "decode "))]
+    assert lines == ["prefill ok akv False", "decode ok None True"], done.stdout[-3000:]

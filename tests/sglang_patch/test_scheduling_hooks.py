@@ -19,7 +19,7 @@ from akv.system.context.rules import parse_rules
 from akv.system.context.wire import encode_program
 from tests.sglang_cpu.scenarios import Conversation
 
-SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64)
+SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64, disaggregation_mode="null")
 
 
 def program(lengths: list[int], drop: dict | None = None, repos: list[int] | None = None):
@@ -50,9 +50,14 @@ def test_a_plain_request_is_left_alone() -> None:
 @pytest.mark.parametrize(
     ("server", "mangle", "message"),
     [
-        (SimpleNamespace(radix_cache_backend=None, chunked_prefill_size=64), None,
+        (SimpleNamespace(radix_cache_backend=None, chunked_prefill_size=64, disaggregation_mode="null"), None,
          "server configuration: radix_cache_backend None cannot execute"),
-        (SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=-1), None, "need chunked prefill"),
+        (SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=-1, disaggregation_mode="null"), None,
+         "need chunked prefill"),
+        (SimpleNamespace(**{**vars(SERVER), "disaggregation_mode": "prefill"}), None,
+         "not executed with --disaggregation-mode prefill yet"),
+        (SimpleNamespace(**{**vars(SERVER), "disaggregation_mode": "decode"}), None,
+         "not executed with --disaggregation-mode decode yet"),
         (SERVER, lambda b: b[:-1] + bytes([b[-1] ^ 1]), "context_program: digest"),
         (SERVER, "tokens", "context_program: its tokens differ"),
     ],

@@ -23,7 +23,8 @@ MESSAGES = [{"role": "user", "content": str(i)} for i in range(4)]
 GOOD_SERVER = {"page_size": 1, "attention_backend": "triton", "prefill_attention_backend": None,
                "decode_attention_backend": None, "radix_cache_backend": "akv", "speculative_algorithm": None,
                "enable_hierarchical_cache": False, "enable_lora": None, "enable_mixed_chunk": False,
-               "enable_dp_attention": False, "disable_radix_cache": False, "pp_size": 1}
+               "enable_dp_attention": False, "disable_radix_cache": False, "pp_size": 1,
+               "disaggregation_mode": "null"}
 
 
 def _serving(chat_template_name: str | None = None, **server: object) -> SimpleNamespace:
@@ -81,6 +82,8 @@ def test_unsupported_request_modes_are_refused(request_fields: dict, multimodal:
         (None, {"enable_mixed_chunk": True}, r"server configuration: enable_mixed_chunk"),
         (None, {"enable_dp_attention": True}, r"server configuration: enable_dp_attention"),
         (None, {"pp_size": 2}, r"server configuration: pp_size 2"),
+        (None, {"disaggregation_mode": "prefill"}, r"server configuration: disaggregation_mode 'prefill'"),
+        (None, {"disaggregation_mode": "decode"}, r"server configuration: disaggregation_mode 'decode'"),
     ],
 )
 def test_unsupported_server_setups_are_refused(template: str | None, server: dict, message: str) -> None:

@@ -237,6 +237,12 @@ def _check_server(server_args: Any) -> None:
             f"server configuration: pp_size {server_args.pp_size!r} is not supported with drop_message/reposition",
             "pp_size",
         )
+    if getattr(server_args, "disaggregation_mode", "null") != "null":
+        raise UnsupportedContextRequest(
+            f"server configuration: disaggregation_mode {server_args.disaggregation_mode!r} does not execute "
+            "drop_message/reposition yet (plain requests are served; the README's PD section says what is missing)",
+            "disaggregation_mode",
+        )
     if server_args.radix_cache_backend != REQUIRED_RADIX_CACHE_BACKEND:
         raise UnsupportedContextRequest(
             f"server configuration: radix_cache_backend {server_args.radix_cache_backend!r} cannot execute "
