@@ -12,7 +12,7 @@ import pytest
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.scheduling import attach, cap_extend, extra_budget, hold_rounds, must_wait
 from akv.system.cache.occurrence import cold_plan
-from akv.system.cache.core import CacheCore
+from akv.system.cache.core import CacheCore, CacheFull
 from akv.system.cache.pool import SlotPool
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
@@ -245,7 +245,7 @@ def test_a_round_stops_before_a_segment_whose_copies_reuse_a_slot_the_round_read
     assert cap_extend(req) and req.extend_range.end == last.start
 
 
-def _in_place_turn() -> tuple[CacheCore, object, object]:
+def _in_place_turn(pool_size: int = 1000) -> tuple[CacheCore, object, object]:
     """A first turn in the tree and the next turn over exactly its text that drops message 1 and
     repositions what follows (resident KV nothing else reads), and a sibling that reads it unmoved."""
     conv = Conversation(150).add(6, 9, 7, 8)
@@ -253,7 +253,7 @@ def _in_place_turn() -> tuple[CacheCore, object, object]:
     turn, sibling = conv.copy(), conv.copy()
     for c in (turn, sibling):
         c.messages.append(list(first.ids[-3:]))
-    core = CacheCore(SlotPool(1000))
+    core = CacheCore(SlotPool(pool_size))
     core.finish(core.admit(first.program))
     return core, turn.drop(1).reposition().add(5).request("turn").program, sibling.add(4).request("sibling").program
 
@@ -302,5 +302,44 @@ def test_versions_a_request_rotates_in_place_are_read_by_no_one_else(order: str)
     core.pool.decref(pins)
     for state in (turn, sibling):
         state.release(core, publish=False)
+    core.flush()
+    assert core.pool.n_free == core.pool.size
+
+
+def _slots_accounted(core: CacheCore) -> None:
+    """Brute-force count: no request reference, no reservation, every slot free or held once per tree
+    version, and the pool's counters agree."""
+    pool, every = core.pool, np.arange(1, core.pool.size + 1)
+    versions = np.bincount(core.tree.resident_slots(), minlength=pool.size + 1)[1:]
+    assert (pool.request_refs(every) == 0).all() and (pool.refcount(every) == versions).all()
+    assert pool.n_free == int((versions == 0).sum()) and pool.n_protected == 0
+    assert not core.reads_reserved(core.match(Conversation(150).add(6, 9, 7, 8).request("x").program))
+
+
+def test_a_contested_commit_on_a_full_pool_holds_nothing_and_commits_once_there_is_room() -> None:
+    """A reference taken on a version the locked turn rotates in place (a reader matched before the
+    lock) sends its commit to copies that admission never charged; on a pool that cannot hold them
+    the commit raises CacheFull holding nothing (its lock's references and reservation are
+    released, no copy slot kept); once there is room the same request commits (copying), and after
+    everything is released the pool is whole."""
+    core, turn_program, _ = _in_place_turn(pool_size=64)
+    turn = AkvRequest(turn_program)
+    taken = turn.plan_draft(core).plan.taken
+    assert taken.size == 18
+    turn.locks = 1
+    turn.lock(core)
+    core.pool.incref(taken)  # the reader's lock
+    filler = core.allocate(core.pool.n_free)
+    assert core.pool.n_evictable < 18
+    with pytest.raises(CacheFull):
+        turn.commit(core)
+    assert turn.active is None and turn.pinned is None
+    core.pool.decref(filler)
+    turn.commit(core)
+    copies = [job for job in turn.active.plan.copies if job.size]
+    assert sum(job.size for job in copies) == 18 and not any((job.src == job.dst).any() for job in copies)
+    core.pool.decref(taken)
+    turn.release(core, publish=False)
+    _slots_accounted(core)
     core.flush()
     assert core.pool.n_free == core.pool.size
