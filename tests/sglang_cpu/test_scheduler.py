@@ -356,15 +356,16 @@ def test_aborts_release_everything_and_the_next_requests_are_exact(
     assert_pool_back(report)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_an_in_place_turn_aborted_mid_prefill_loses_only_what_it_rotated(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+        overlap: bool, patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     """A turn that rotates 18 resident tokens in place is aborted after its first round (its rotation
     ran): every slot it allocated is freed, and of the tree only the 18 versions it overwrote are
     gone (the pool holds the first turn's text less those 18); the turn sent again recomputes them
     (usage says so, as the cache core's own accounting with the abort does), and every later request,
     context or plain, is exact."""
     waves = scenarios.in_place_abort_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4, overlap=overlap)
     results = report["results"]
     assert results["iabort-2"]["finished"]["type"] == "abort", results["iabort-2"]["finished"]
     for wave in waves[2:] + waves[:1]:
@@ -398,7 +399,8 @@ def test_a_plain_reader_in_the_batch_of_an_in_place_turn(
     18 of those tokens in place: admitted after the turn's lock, it stops its match before the
     versions the turn set aside (it computes them) and the turn still rotates them in place (a match
     that read them would make the turn's commit copy them, uncharged); admitted first, it holds them
-    and the turn copies them. Both are exact, usage is the cache core's, the pool comes back."""
+    and the turn copies them. Each order shares one batch; all are exact, usage is the cache core's
+    and the pool comes back."""
     waves = scenarios.plain_reader_race_waves()
     report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64, max_total_tokens=256)
     results = report["results"]
@@ -412,7 +414,12 @@ def test_a_plain_reader_in_the_batch_of_an_in_place_turn(
     assert results["turn-first-plain"]["cached_tokens"] == 6 + 9, "read up to the versions set aside"
     (line,) = [line for line in report["prefills"] if line["rid"] == "turn-first-2"]
     assert line["in_place"] == 18 and line["copy_slots"] == 0, line
+    assert any({"plain-first-2", "plain-first-plain"} <= set(b) for b in report["batches"]), report["batches"]
     assert results["plain-first-plain"]["cached_tokens"] == 32
+    (line,) = [line for line in report["prefills"] if line["rid"] == "plain-first-2"]
+    # the plain request locks the first 32 tokens (SGLang computes a prompt's last token again): the
+    # turn copies the 17 of them it moves and rotates the 33rd, which no one holds, in place
+    assert line["copy_slots"] == 17 and line["in_place"] == 1, line
 
 
 def test_plain_traffic_through_the_akv_backend_is_stock(patched_site: Path, tiny_qwen3: Path,
