@@ -356,16 +356,15 @@ def test_aborts_release_everything_and_the_next_requests_are_exact(
     assert_pool_back(report)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_an_in_place_turn_aborted_mid_prefill_loses_only_what_it_rotated(
-        overlap: bool, patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
     """A turn that rotates 18 resident tokens in place is aborted after its first round (its rotation
     ran): every slot it allocated is freed, and of the tree only the 18 versions it overwrote are
     gone (the pool holds the first turn's text less those 18); the turn sent again recomputes them
     (usage says so, as the cache core's own accounting with the abort does), and every later request,
     context or plain, is exact."""
     waves = scenarios.in_place_abort_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4, overlap=overlap)
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
     results = report["results"]
     assert results["iabort-2"]["finished"]["type"] == "abort", results["iabort-2"]["finished"]
     for wave in waves[2:] + waves[:1]:
