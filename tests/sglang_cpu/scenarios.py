@@ -199,10 +199,14 @@ def plain_reader_race_waves() -> list[list[Request]]:
 
 
 def retraction_waves() -> list[list[Request]]:
-    """Concurrent context requests long enough in decode for forced retractions to hit them."""
-    return [[Conversation(10).add(9, 8, 7).drop(1).reposition().request("retract-a", max_new=12),
+    """Concurrent context requests long enough in decode for forced retractions to hit them, one of
+    them a turn that rotates 18 resident tokens in place (its first turn is sent in a wave before)."""
+    _, (first, turn, _) = in_place_turns(108, "retract-in-place")
+    return [[first],
+            [Conversation(10).add(9, 8, 7).drop(1).reposition().request("retract-a", max_new=12),
              Conversation(11).add(8, 9, 6, 5).drop(2).request("retract-b", max_new=12),
-             Conversation(12).add(7, 7, 7).request("retract-plain", plain=True, max_new=12)]]
+             Conversation(12).add(7, 7, 7).request("retract-plain", plain=True, max_new=12),
+             Request(turn.rid, turn.ids, turn.program, max_new=12)]]
 
 
 def pressure_waves() -> list[list[Request]]:

@@ -206,11 +206,13 @@ def test_forced_retraction_readmits_exactly(patched_site: Path, tiny_qwen3: Path
     waves = scenarios.retraction_waves()
     report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=8, env={"SGLANG_TEST_RETRACT": "1"})
     results = report["results"]
-    assert sum(results[r.rid]["retractions"] for r in waves[0]) > 0, "SGLANG_TEST_RETRACT retracted nothing"
+    assert results["retract-in-place-2"]["retractions"] > 0, "SGLANG_TEST_RETRACT did not retract the in-place turn"
     expected = expected_usage(waves, report)
-    for request in waves[0]:
+    for request in waves[0] + waves[1]:
         assert_exact(oracle_model, request, results[request.rid])
         assert reported_usage(request, results[request.rid]) == expected[request.rid], "usage is the first admission's"
+    first_admission = next(line for line in report["prefills"] if line["rid"] == "retract-in-place-2")
+    assert first_admission["in_place"] == 18, first_admission
     assert_prefill_log(waves, report)
     assert_pool_back(report)
 
