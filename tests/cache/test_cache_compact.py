@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from akv.system.cache.core import CacheCore, CacheFull
 from akv.system.cache.occurrence import cold_plan
 from akv.system.cache.plan import RequestPlan
-from akv.system.cache.pool import SlotPool
+from akv.system.cache.pool import ArrayFreeList, SlotPool
 from akv.system.context.program import ContextProgram
 from akv.system.context.compiler import append_generated
 from akv.system.reference.executor import PagedKV, run_decode, run_prefill
@@ -264,3 +265,64 @@ def test_reserved_versions_are_resident_for_no_other_match() -> None:
     assert not np.isin(core.match(reader).plan.plan.borrowed, draft.plan.taken).any()
     core.unreserve(draft.plan.taken)
     assert plain.resident_prefix(core, first.token_ids, "").size == first.n_tokens
+
+
+def _resident_labels(core: CacheCore, kv: SimulatedKV) -> dict[int, object]:
+    return {int(s): kv.content.get(int(s)) for s in core.tree.resident_slots()}
+
+
+def _assert_slots_accounted(core: CacheCore, kv: SimulatedKV) -> None:
+    """Brute-force count: every slot is free, or held by the tree once per version it keeps, and none
+    by a request; the pool's counters agree."""
+    pool = core.pool
+    versions = np.bincount(core.tree.resident_slots(), minlength=pool.size + 1)[1:]
+    held = pool.refcount(np.arange(1, pool.size + 1))
+    assert (held == versions).all() and (pool.request_refs(np.arange(1, pool.size + 1)) == 0).all()
+    assert pool.n_free == int((versions == 0).sum()) and pool.n_protected == 0
+    assert pool.n_evictable == int((versions > 0).sum())
+    assert set(kv.content) == set(np.flatnonzero(versions) + 1), "a freed slot kept its KV or a held one lost it"
+
+
+@settings(max_examples=100, deadline=None)
+@given(conversations(max_messages=8), conversations(max_messages=8), st.data())
+def test_an_aborted_in_place_request_loses_only_what_it_rotated(first: Conversation, second: Conversation,
+                                                                data: st.DataObject) -> None:
+    """In-place plans, turn by turn over two conversations, some turns aborted after their plan ran
+    (a client that disconnects mid-prefill or mid-decode; or before it ran): the abort frees every
+    slot the request allocated and the versions it took from the tree to rotate in place (their KV
+    was overwritten at the new positions, so the tree cannot keep them); every other version the
+    tree held stays, with its KV, and no request reference or reservation is left. Later turns read,
+    on the brute-force KV, exactly what their queries need (nothing reads a taken version at its old
+    position), and the pool is whole at the end."""
+    kv = SimulatedKV()
+    free = ArrayFreeList(BRUTE_POOL)
+    pool = SlotPool(BRUTE_POOL, on_free=kv.forget, free_list=free)
+    core = CacheCore(pool)
+    intern = Interner()
+    order = [(c, t) for t in range(8) for c in (first, second) if t < c.n_turns for _ in range(2)]
+    for conv, turn in order:
+        program = conv.program(turn)
+        draft = core.match(program, in_place=True)
+        before = _resident_labels(core, kv)
+        request = core.commit(draft)
+        taken = set(draft.plan.taken.tolist())
+        ran = data.draw(st.booleans())
+        computed = np.flatnonzero(request.plan.computed)
+        core.bind_births(request, computed, free.take(computed.size))  # the engine's allocator
+        plan = request.resolved_plan()
+        if ran:
+            kv.execute(plan, brute_layout(program, intern), pool, rewritable=_in_place(plan))
+        if data.draw(st.booleans()):
+            core.abort(request)
+            assert _resident_labels(core, kv) == {s: v for s, v in before.items() if s not in taken}
+            _assert_slots_accounted(core, kv)
+            continue
+        if not ran:
+            kv.execute(plan, brute_layout(program, intern), pool, rewritable=_in_place(plan))
+        reply = conv.reply(turn)
+        slots = core.allocate(reply.size)
+        kv.write_generated(slots, brute_layout(append_generated(program, reply), intern), program.n_tokens, pool)
+        core.finish(request, reply, slots)
+        _assert_slots_accounted(core, kv)
+    core.flush()
+    assert pool.n_free == pool.size and not kv.content

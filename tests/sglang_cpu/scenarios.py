@@ -166,11 +166,47 @@ def in_place_waves() -> list[list[Request]]:
             + [[race[0]], [racer.request("race-reader", max_new=4), race[1]]])
 
 
+def in_place_abort_waves() -> list[list[Request]]:
+    """One request per wave: a first turn (6, 9, 7, 8 tokens and the generation prompt), the next turn
+    over exactly its text that drops message 1 and repositions the 18 tokens after it (resident KV no
+    one else reads: rotated in place in its first round) and adds 40 new tokens, aborted after its
+    first forward (mid-prefill: its rotation ran, its later rounds did not); the same turn sent
+    again; the turn after it; and a plain request of the first turn's text."""
+    conv = Conversation(105).add(6, 9, 7, 8)
+    first = conv.request("iabort-1", max_new=1)
+    turn = conv.copy()
+    turn.messages.append(list(first.ids[-GEN_PROMPT:]))
+    turn.drop(1).reposition().add(40)
+    aborted = turn.request("iabort-2", max_new=4, abort_after_forwards=1)
+    after = turn.copy()
+    after.messages.append(list(aborted.ids[-GEN_PROMPT:]))
+    after.add(4)
+    return [[first], [aborted], [Request("iabort-2-again", aborted.ids, aborted.program, max_new=1)],
+            [after.request("iabort-3", max_new=4)], [Request("iabort-plain", first.ids, None, max_new=4)]]
+
+
+def plain_reader_race_waves() -> list[list[Request]]:
+    """Two conversations' first turns (33 tokens), each followed by a wave of its repositioning turn
+    (18 resident tokens rotated in place, 8 new) and a plain request of the first turn's text, which
+    reads those 18 tokens at their old positions: the turn first in one wave, the plain request
+    first in the other. Both fit one batch (chunk budget 64)."""
+    waves = []
+    for seed, order in ((106, "turn-first"), (107, "plain-first")):
+        _, (first, turn, _) = in_place_turns(seed, order)
+        reader = Request(f"{order}-plain", first.ids, None, max_new=4)
+        waves += [[first], [turn, reader] if order == "turn-first" else [reader, turn]]
+    return waves
+
+
 def retraction_waves() -> list[list[Request]]:
-    """Concurrent context requests long enough in decode for forced retractions to hit them."""
-    return [[Conversation(10).add(9, 8, 7).drop(1).reposition().request("retract-a", max_new=12),
+    """Concurrent context requests long enough in decode for forced retractions to hit them, one of
+    them a turn that rotates 18 resident tokens in place (its first turn is sent in a wave before)."""
+    _, (first, turn, _) = in_place_turns(108, "retract-in-place")
+    return [[first],
+            [Conversation(10).add(9, 8, 7).drop(1).reposition().request("retract-a", max_new=12),
              Conversation(11).add(8, 9, 6, 5).drop(2).request("retract-b", max_new=12),
-             Conversation(12).add(7, 7, 7).request("retract-plain", plain=True, max_new=12)]]
+             Conversation(12).add(7, 7, 7).request("retract-plain", plain=True, max_new=12),
+             Request(turn.rid, turn.ids, turn.program, max_new=12)]]
 
 
 def pressure_waves() -> list[list[Request]]:

@@ -206,11 +206,13 @@ def test_forced_retraction_readmits_exactly(patched_site: Path, tiny_qwen3: Path
     waves = scenarios.retraction_waves()
     report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=8, env={"SGLANG_TEST_RETRACT": "1"})
     results = report["results"]
-    assert sum(results[r.rid]["retractions"] for r in waves[0]) > 0, "SGLANG_TEST_RETRACT retracted nothing"
+    assert results["retract-in-place-2"]["retractions"] > 0, "SGLANG_TEST_RETRACT did not retract the in-place turn"
     expected = expected_usage(waves, report)
-    for request in waves[0]:
+    for request in waves[0] + waves[1]:
         assert_exact(oracle_model, request, results[request.rid])
         assert reported_usage(request, results[request.rid]) == expected[request.rid], "usage is the first admission's"
+    first_admission = next(line for line in report["prefills"] if line["rid"] == "retract-in-place-2")
+    assert first_admission["in_place"] == 18, first_admission
     assert_prefill_log(waves, report)
     assert_pool_back(report)
 
@@ -354,6 +356,71 @@ def test_aborts_release_everything_and_the_next_requests_are_exact(
     for request in waves[2]:
         assert_exact(oracle_model, request, report["results"][request.rid])
     assert_pool_back(report)
+
+
+def test_an_in_place_turn_aborted_mid_prefill_loses_only_what_it_rotated(
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    """A turn that rotates 18 resident tokens in place is aborted after its first round (its rotation
+    ran): every slot it allocated is freed, and of the tree only the 18 versions it overwrote are
+    gone (the pool holds the first turn's text less those 18); the turn sent again recomputes them
+    (usage says so, as the cache core's own accounting with the abort does), and every later request,
+    context or plain, is exact."""
+    waves = scenarios.in_place_abort_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
+    results = report["results"]
+    assert results["iabort-2"]["finished"]["type"] == "abort", results["iabort-2"]["finished"]
+    for wave in waves[2:] + waves[:1]:
+        for request in wave:
+            assert_exact(oracle_model, request, results[request.rid])
+    assert_pool_back(report)
+    held = [w["pool"]["total"] - w["pool"]["available"] for w in report["waves"]]
+    first = waves[0][0]
+    assert held[0] == len(first.ids) and held[1] == held[0] - 18, held
+    core = CacheCore(SlotPool(1 << 12))
+    expected = {}
+    for wave in waves:
+        (request,) = wave
+        active = core.admit(_program(request), in_place=True)
+        expected[request.rid] = active.plan.usage.as_dict()
+        if request.rid == "iabort-2":
+            core.abort(active)
+            continue
+        generated = np.array(results[request.rid]["ids"][:-1], dtype=np.int64)
+        core.finish(active, generated, core.allocate(generated.size))
+    for wave in waves[2:]:
+        (request,) = wave
+        assert reported_usage(request, results[request.rid]) == expected[request.rid], request.rid
+    again = expected["iabort-2-again"]
+    assert again["repos_tokens"] == 0 and again["computed_tokens"] == 18 + 40 + 3, again
+
+
+def test_a_plain_reader_in_the_batch_of_an_in_place_turn(
+        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+    """A plain request of a first turn's text admitted in the same pass as the next turn, which rotates
+    18 of those tokens in place: admitted after the turn's lock, it stops its match before the
+    versions the turn set aside (it computes them) and the turn still rotates them in place (a match
+    that read them would make the turn's commit copy them, uncharged); admitted first, it holds them
+    and the turn copies them. Each order shares one batch; all are exact, usage is the cache core's
+    and the pool comes back."""
+    waves = scenarios.plain_reader_race_waves()
+    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64, max_total_tokens=256)
+    results = report["results"]
+    expected = expected_usage(waves, report)
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, results[request.rid])
+            assert reported_usage(request, results[request.rid]) == expected[request.rid], request.rid
+    assert_pool_back(report)
+    assert any({"turn-first-2", "turn-first-plain"} <= set(b) for b in report["batches"]), report["batches"]
+    assert results["turn-first-plain"]["cached_tokens"] == 6 + 9, "read up to the versions set aside"
+    (line,) = [line for line in report["prefills"] if line["rid"] == "turn-first-2"]
+    assert line["in_place"] == 18 and line["copy_slots"] == 0, line
+    assert any({"plain-first-2", "plain-first-plain"} <= set(b) for b in report["batches"]), report["batches"]
+    assert results["plain-first-plain"]["cached_tokens"] == 32
+    (line,) = [line for line in report["prefills"] if line["rid"] == "plain-first-2"]
+    # the plain request locks the first 32 tokens (SGLang computes a prompt's last token again): the
+    # turn copies the 17 of them it moves and rotates the 33rd, which no one holds, in place
+    assert line["copy_slots"] == 17 and line["in_place"] == 1, line
 
 
 def test_plain_traffic_through_the_akv_backend_is_stock(patched_site: Path, tiny_qwen3: Path,

@@ -12,8 +12,9 @@ import pytest
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.scheduling import attach, cap_extend, extra_budget, hold_rounds, must_wait
 from akv.system.cache.occurrence import cold_plan
-from akv.system.cache.core import CacheCore
-from akv.system.cache.pool import SlotPool
+from akv.system.cache.core import CacheCore, CacheFull
+from akv.system.cache.keys import program_key
+from akv.system.cache.pool import ArrayFreeList, SlotPool
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
 from akv.system.context.wire import encode_program
@@ -250,7 +251,7 @@ def test_a_round_stops_before_a_segment_whose_copies_reuse_a_slot_the_round_read
     assert cap_extend(req) and req.extend_range.end == last.start
 
 
-def _in_place_turn() -> tuple[CacheCore, object, object]:
+def _in_place_turn(pool_size: int = 1000, free_list: ArrayFreeList | None = None) -> tuple[CacheCore, object, object]:
     """A first turn in the tree and the next turn over exactly its text that drops message 1 and
     repositions what follows (resident KV nothing else reads), and a sibling that reads it unmoved."""
     conv = Conversation(150).add(6, 9, 7, 8)
@@ -258,7 +259,7 @@ def _in_place_turn() -> tuple[CacheCore, object, object]:
     turn, sibling = conv.copy(), conv.copy()
     for c in (turn, sibling):
         c.messages.append(list(first.ids[-3:]))
-    core = CacheCore(SlotPool(1000))
+    core = CacheCore(SlotPool(pool_size, free_list=free_list))
     core.finish(core.admit(first.program))
     return core, turn.drop(1).reposition().add(5).request("turn").program, sibling.add(4).request("sibling").program
 
@@ -307,5 +308,80 @@ def test_versions_a_request_rotates_in_place_are_read_by_no_one_else(order: str)
     core.pool.decref(pins)
     for state in (turn, sibling):
         state.release(core, publish=False)
+    _slots_accounted(core, [turn_program, sibling_program])
+    core.flush()
+    assert core.pool.n_free == core.pool.size
+
+
+def _slots_accounted(core: CacheCore, programs: list) -> None:
+    """Brute-force count: no request reference, every slot free or held once per tree version, the
+    pool's counters agree, and nothing is set aside (``programs`` match every version they did)."""
+    pool, every = core.pool, np.arange(1, core.pool.size + 1)
+    versions = np.bincount(core.tree.resident_slots(), minlength=pool.size + 1)[1:]
+    assert (pool.request_refs(every) == 0).all() and (pool.refcount(every) == versions).all()
+    assert pool.n_free == int((versions == 0).sum()) and pool.n_protected == 0
+    for prog in programs:
+        key = program_key(prog, "")
+        assert np.array_equal(core.resident(key).slots, core.tree.match(key).slots), "a reservation was left"
+
+
+def test_a_contested_commit_on_a_full_pool_holds_nothing_and_commits_once_there_is_room() -> None:
+    """A reference taken on a version the locked turn rotates in place (a reader matched before the
+    lock) sends its commit to copies that admission never charged; on a pool that cannot hold them
+    the commit raises CacheFull holding nothing (its lock's references and reservation are
+    released, no copy slot kept); once there is room the same request commits (copying), and after
+    everything is released the pool is whole."""
+    core, turn_program, _ = _in_place_turn(pool_size=64)
+    turn = AkvRequest(turn_program)
+    taken = turn.plan_draft(core).plan.taken
+    assert taken.size == 18
+    turn.locks = 1
+    turn.lock(core)
+    core.pool.incref(taken)  # the reader's lock
+    filler = core.allocate(core.pool.n_free)
+    assert core.pool.n_evictable < 18
+    with pytest.raises(CacheFull):
+        turn.commit(core)
+    assert turn.active is None and turn.pinned is None
+    core.pool.decref(filler)
+    turn.commit(core)
+    copies = [job for job in turn.active.plan.copies if job.size]
+    assert sum(job.size for job in copies) == 18 and not any((job.src == job.dst).any() for job in copies)
+    core.pool.decref(taken)
+    turn.release(core, publish=False)
+    _slots_accounted(core, [turn_program])
+    core.flush()
+    assert core.pool.n_free == core.pool.size
+
+
+@pytest.mark.parametrize("path", ["lock released uncommitted", "committed then aborted", "committed then finished"])
+def test_every_path_of_an_in_place_turn_gives_back_what_it_took(path: str) -> None:
+    """SGLang's admission locks a request and may drop the lock without committing (its budget check
+    after the lock failed); a committed request is aborted (client gone, retraction) or finished.
+    After each, no request reference or reservation is left and every slot is free or the tree's: an
+    uncommitted lock leaves the tree as it was, an abort loses exactly the 18 versions the turn took to
+    rotate in place (their KV is at the new positions now), a finish publishes them there."""
+    free = ArrayFreeList(128)  # the engine's allocator, which births come from
+    core, turn_program, sibling_program = _in_place_turn(128, free)
+    before = core.tree.resident_slots()
+    turn = AkvRequest(turn_program)
+    turn.locks = 1
+    turn.lock(core)
+    taken = turn.draft.plan.taken
+    if path == "lock released uncommitted":
+        turn.release(core, publish=False)
+        assert np.array_equal(core.tree.resident_slots(), before)
+    else:
+        turn.commit(core)
+        births = np.flatnonzero(turn.active.plan.computed)
+        turn.bind(core, int(births[0]), free.take(births.size))
+        turn.release(core, publish=path == "committed then finished")
+        kept = np.setdiff1d(before, taken)
+        resident = core.tree.resident_slots()
+        if path == "committed then aborted":
+            assert sorted(resident.tolist()) == sorted(kept.tolist())
+        else:
+            assert np.isin(taken, resident).all() and np.isin(kept, resident).all()
+    _slots_accounted(core, [turn_program, sibling_program])
     core.flush()
     assert core.pool.n_free == core.pool.size
