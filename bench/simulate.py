@@ -9,7 +9,17 @@ generated, and their cost under a price table.
 
 Writes the JSON (with the exact command; totals overall and per trajectory), the per-call counts as
 column arrays (.calls.json), a markdown table (.md), and two SVG plots (.calls.svg: live tokens and cumulative cost per call of the first
-trajectory; .totals.svg: cost per method, split into prefill, cache reads and output)."""
+trajectory; .totals.svg: cost per method, split into prefill, cache reads and output).
+
+With ``--concurrency C ...`` it plays instead the serving replay's load on one server's pool
+(:func:`bench.agent_replay.simulator.simulate_shared`): C conversations of the ``--preset``
+trajectories from ``--start-turn``, C requests in flight on ``--pool-slots`` slots, AKV re-rotating
+in place as the patched server does (``--copies``: every re-rotation a copy, as before in-place
+re-rotation); per method and C, the tokens prefilled, read and re-rotated, the waits for room, the
+conversations refused and the pool's peak, in the JSON and the markdown table::
+
+    python bench/simulate.py --preset browse --count 8 --start-turn 12 --pool-slots 600000 \
+        --concurrency 4 8 16 --out bench/results/simulate-shared-browse.json"""
 
 from __future__ import annotations
 
@@ -25,10 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from akv import cli  # noqa: E402
 from akv.agent import ApproximateTokenCounter  # noqa: E402
+from akv.agent import live_budget_policy  # noqa: E402
 from bench.agent_replay.methods import AKV, FullContext, Summarize, Trim, reference_policy  # noqa: E402
 from bench.agent_replay.plots import line_panels, stacked_bars  # noqa: E402
-from bench.agent_replay.simulator import COUNTS, DEFAULT_POOL_SLOTS, CallRow, PriceTable, run_all, totals  # noqa: E402
-from bench.agent_replay.trajectories import Trajectory, default_set, load_demo_run, load_jsonl  # noqa: E402
+from bench.agent_replay.simulator import (  # noqa: E402
+    COUNTS, DEFAULT_POOL_SLOTS, CallRow, PriceTable, run_all, simulate_shared, totals)
+from bench.agent_replay.trajectories import PRESETS, Trajectory, default_set, generate, load_demo_run, load_jsonl  # noqa: E402
 from bench.harness import results  # noqa: E402
 
 BASELINE = "standard"
@@ -53,6 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--price-cached", type=float, default=PriceTable.cached_input)
     p.add_argument("--price-output", type=float, default=PriceTable.output)
     p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="only this preset's synthetic trajectories")
+    p.add_argument("--concurrency", type=int, nargs="+", help="play the serving replay's load (module docstring)")
+    p.add_argument("--start-turn", type=int, default=0, help="with --concurrency: the turn each conversation starts at")
+    p.add_argument("--copies", action="store_true", help="with --concurrency: AKV copies every re-rotated key")
+    p.add_argument("--live-budget", type=int, default=96_000, help="with --concurrency: the live-token budget of akv_live_budget (a method of that mode only)")
     p.add_argument("--out", type=cli.new_file, required=True)
     return p.parse_args(argv)
 
@@ -68,6 +85,9 @@ def load(args: argparse.Namespace) -> list[Trajectory]:
         else:
             counter = ApproximateTokenCounter()
         return [load_demo_run(run, counter) for run in args.demo_run]
+    if args.preset:
+        return [generate(PRESETS[args.preset], args.seed * 1000 + k, f"{args.preset}-{args.seed * 1000 + k}")
+                for k in range(args.count)]
     return default_set(args.count, args.seed)
 
 
@@ -77,6 +97,40 @@ def methods(args: argparse.Namespace) -> list[Any]:
             Summarize(args.te_threshold, s, name="text_engineering"), Trim(args.trim_keep, name="trim"),
             AKV(reference_policy(args.akv_keep, args.akv_reposition_tokens), name=f"akv_keep{args.akv_keep}"),
             AKV(reference_policy(args.akv_keep), name=f"akv_keep{args.akv_keep}_every_turn")]
+
+
+def shared(args: argparse.Namespace, head: dict[str, Any], trajectories: list[Trajectory], chosen: list[Any],
+           prices: PriceTable) -> int:
+    """``--concurrency``: the serving replay's load on one pool, per method and concurrency."""
+    rows = []
+    for level in args.concurrency:
+        for method in chosen:
+            started = time.monotonic()
+            run = simulate_shared(trajectories, method, level, args.pool_slots, args.start_turn,
+                                  in_place=not args.copies, prices=prices)
+            total = totals(run.rows, prices)
+            row = {"method": method.name, "concurrency": level, "calls": total["calls"],
+                   **{k: total[k] for k in ("prompt", "prefilled", "cached", "repos", "generated", "max_live")},
+                   "waits": run.waits, "refused": run.refused, "peak_pool_used": run.peak_pool_used,
+                   "seconds": round(time.monotonic() - started, 1)}
+            rows.append(row)
+            print(f"c={level:<3d} {method.name:>22}: {row['calls']:4d} calls, {row['prefilled']:>11,} prefilled, "
+                  f"{row['cached'] + row['repos']:>12,} read, {row['waits']} waits, {len(row['refused'])} refused",
+                  flush=True)
+    head_cells = ("method", "conc.", "calls", "prefilled", "cached", "re-rotated", "max live", "waits", "refused",
+                  "pool peak")
+    lines = ["| " + " | ".join(head_cells) + " |", "|" + "---|" * len(head_cells)]
+    for r in rows:
+        lines.append("| " + " | ".join([r["method"], str(r["concurrency"]), str(r["calls"]),
+                                        *(f"{r[k]:,}" for k in ("prefilled", "cached", "repos", "max_live")),
+                                        str(r["waits"]), str(len(r["refused"])), f"{r['peak_pool_used']:,}"]) + " |")
+    table = "\n".join(lines) + "\n"
+    results.write({**head, "mode": "shared", "pool_slots": args.pool_slots, "start_turn": args.start_turn,
+                   "in_place": not args.copies, "trajectories": [t.stats() for t in trajectories], "rows": rows},
+                  args.out)
+    args.out.with_suffix(".md").write_text(f"`{head['command']}`\n\n{table}", encoding="utf-8")
+    print(table)
+    return 0
 
 
 def report(rows: list[CallRow], trajectories: list[Trajectory], names: list[str], prices: PriceTable) -> dict[str, Any]:
@@ -125,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     prices = PriceTable(args.price_input, args.price_cached, args.price_output)
     trajectories = load(args)
     chosen = methods(args)
+    if args.concurrency:
+        live = AKV(lambda counter: live_budget_policy(args.live_budget, counter), name="akv_live_budget")
+        return shared(args, head, trajectories, [*chosen, live], prices)
     names = [m.name for m in chosen]
     print(f"{len(trajectories)} trajectories x {len(chosen)} methods", flush=True)
     started = time.monotonic()

@@ -11,12 +11,13 @@ SGLang's prefix cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from akv.system.cache import CacheCore, SlotPool
+from akv.system.cache import ActiveRequest, CacheCore, CacheFull, SlotPool
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
 from bench.agent_replay.methods import Method, Piece, Request
@@ -84,42 +85,80 @@ class TokenIds:
         return ids
 
 
-class Simulator:
-    """One server's cache (a CacheCore over `pool_slots` slots) replaying requests in order."""
+@dataclass(frozen=True)
+class Call:
+    """A request admitted by a :class:`Simulator` and not finished yet: its counts, the generated
+    tokens it publishes when it finishes (all but the last) and their slots, held from admission."""
 
-    def __init__(self, prices: PriceTable = PriceTable(), pool_slots: int = DEFAULT_POOL_SLOTS) -> None:
+    active: ActiveRequest
+    row: CallRow
+    published: np.ndarray
+    decoded: np.ndarray
+
+
+class Simulator:
+    """One server's cache (a CacheCore over `pool_slots` slots) replaying requests in order;
+    `in_place`: re-rotate resident KV in its own slots where nothing else reads it, as the patched
+    server does (False: every re-rotation is a copy, as it did before in-place re-rotation)."""
+
+    def __init__(self, prices: PriceTable = PriceTable(), pool_slots: int = DEFAULT_POOL_SLOTS,
+                 in_place: bool = False) -> None:
         self.prices = prices
         self.core = CacheCore(SlotPool(pool_slots))
-        self.ids = TokenIds()
+        self.in_place = in_place
+        self._ids: dict[str, TokenIds] = {}
 
     def run(self, request: Request, generation_tokens: int, trajectory: str = "", method: str = "",
             token_ids: np.ndarray | None = None) -> CallRow:
         """One request. `token_ids`: the prompt's real token ids (the pieces, then the generation
         prompt) instead of synthetic ones, to account for exactly what a server was sent; generated
         tokens stay synthetic, so give real ids for every request of a Simulator or for none."""
+        call = self.admit(request, generation_tokens, trajectory, method, token_ids)
+        self.finish(call)
+        return dataclasses.replace(call.row, pool_used=self.pool_used)
+
+    @property
+    def pool_used(self) -> int:
+        return self.core.pool.size - self.core.pool.n_free
+
+    def admit(self, request: Request, generation_tokens: int, trajectory: str = "", method: str = "",
+              token_ids: np.ndarray | None = None, namespace: str = "") -> Call:
+        """Admit one request (:meth:`run`'s arguments; `namespace` keeps conversations that share
+        synthetic ids apart); raises :class:`~akv.system.cache.CacheFull` holding nothing when the pool
+        cannot take it now."""
         pieces = request.pieces
         n = len(pieces)
-        reply = self.ids.of(request.reply)
+        ids = self._ids.setdefault(namespace, TokenIds())
+        reply = ids.of(request.reply)
         n_prompt = sum(p.tokens for p in pieces) + generation_tokens
         if token_ids is None:
-            token_ids = np.concatenate([self.ids.of(p) for p in pieces] + [reply[:generation_tokens]])
+            token_ids = np.concatenate([ids.of(p) for p in pieces] + [reply[:generation_tokens]])
         elif len(token_ids) != n_prompt:
             raise ValueError(f"token_ids: {len(token_ids)} ids for a prompt of {n_prompt} tokens")
         token_ids = np.asarray(token_ids, dtype=np.int64)
         owners = np.repeat(np.arange(n + 1, dtype=np.int64), [p.tokens for p in pieces] + [generation_tokens])
         rules = parse_rules(request.drop_message, request.reposition, n)
         program = compile_program(token_ids, owners, rules, n)
-        active = self.core.admit(program)
+        active = self.core.admit(program, namespace, in_place=self.in_place)
+        published = reply[generation_tokens:generation_tokens + request.generated][:-1]
+        try:
+            decoded = self.core.allocate(published.size)  # the KV its decode writes, held while in flight
+        except CacheFull:
+            self.core.abort(active)
+            raise
         plan = active.plan
         usage = plan.usage
         prefilled = int(np.count_nonzero(plan.computed[:program.n_prompt]))
-        published = reply[generation_tokens:generation_tokens + request.generated][:-1]
-        self.core.finish(active, published, self.core.allocate(published.size))
         read = usage.cached_tokens + usage.repos_tokens
-        return CallRow(trajectory, method, request.turn, request.kind, program.n_prompt, prefilled,
-                       usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens, request.generated,
-                       int(plan.terminal.tokens.size), self.core.pool.size - self.core.pool.n_free,
-                       self.prices.cost(prefilled, read, request.generated))
+        row = CallRow(trajectory, method, request.turn, request.kind, program.n_prompt, prefilled,
+                      usage.cached_tokens, usage.repos_tokens, usage.drop_skipped_tokens, request.generated,
+                      int(plan.terminal.tokens.size), self.pool_used,
+                      self.prices.cost(prefilled, read, request.generated))
+        return Call(active, row, published, decoded)
+
+    def finish(self, call: Call) -> None:
+        """Publish the call's prompt and generated KV (all but the last generated token) and release it."""
+        self.core.finish(call.active, call.published, call.decoded)
 
 
 def simulate(trajectory: Trajectory, method: Method, prices: PriceTable = PriceTable(),
@@ -127,6 +166,64 @@ def simulate(trajectory: Trajectory, method: Method, prices: PriceTable = PriceT
     """Replay one trajectory through one method on a fresh cache."""
     sim = Simulator(prices, pool_slots)
     return [sim.run(r, trajectory.generation_tokens, trajectory.name, method.name) for r in method.requests(trajectory)]
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """What :func:`simulate_shared` counted: the rows of the requests after each conversation's first,
+    how often a request waited for another to finish, and the conversations refused outright."""
+
+    rows: list[CallRow]
+    waits: int
+    refused: list[str]
+    peak_pool_used: int
+
+
+def simulate_shared(trajectories: Sequence[Trajectory], method: Method, concurrency: int, pool_slots: int,
+                    start_turn: int = 0, in_place: bool = True, prices: PriceTable = PriceTable()) -> SharedRun:
+    """`concurrency` conversations on one cache of `pool_slots` slots, as the replay suite runs them:
+    conversation k replays trajectory k mod len(trajectories) from `start_turn` (its first request
+    prefills that turn cold and is not counted, as the suite primes), each in its own namespace (no
+    shared prefix, as the suite's tags make it). Requests go round robin, one per conversation, and
+    each stays in flight (admitted, holding its KV) until its conversation's next request: the pool
+    holds `concurrency` requests at once. A request the pool cannot take waits for the oldest one in
+    flight to finish (counted in `waits`); one that cannot be taken with nothing else in flight is
+    refused. The run ends when the first conversation runs out of requests, so every counted round
+    has all `concurrency` in flight."""
+    sim = Simulator(prices, pool_slots, in_place)
+    lanes = []
+    for k in range(concurrency):
+        t = trajectories[k % len(trajectories)]
+        lanes.append((f"{t.name}#{k}", t, [r for r in method.requests(t) if r.turn >= start_turn]))
+    flight: dict[int, Call] = {}  # conversation -> its request in flight, oldest first
+    rows: list[CallRow] = []
+    waits, refused, peak = 0, [], 0
+    for step in range(min(len(requests) for _, _, requests in lanes)):
+        for k, (name, t, requests) in enumerate(lanes):
+            if name in refused:
+                continue
+            if k in flight:
+                sim.finish(flight.pop(k))
+            while True:
+                try:
+                    call = sim.admit(requests[step], t.generation_tokens, name, method.name, namespace=name)
+                    break
+                except CacheFull:
+                    if not flight:
+                        refused.append(name)
+                        call = None
+                        break
+                    sim.finish(flight.pop(next(iter(flight))))
+                    waits += 1
+            if call is None:
+                continue
+            flight[k] = call
+            peak = max(peak, sim.pool_used)
+            if step:
+                rows.append(call.row)
+    for call in flight.values():
+        sim.finish(call)
+    return SharedRun(rows, waits, refused, peak)
 
 
 def totals(rows: Iterable[CallRow], prices: PriceTable) -> dict[str, float | int]:

@@ -1,5 +1,6 @@
 """`bench/simulate.py` writes the JSON (exact command, totals that are the sums of the per-call
-columns, savings against Standard), the markdown table and both SVG plots."""
+columns, savings against Standard), the markdown table and both SVG plots; with ``--concurrency``
+a row per method and level."""
 
 from __future__ import annotations
 
@@ -43,3 +44,18 @@ def test_cli_outputs(tmp_path: Path):
     assert all(f"| {name} |" in table for name in names)
     for suffix in (".calls.svg", ".totals.svg"):
         assert ET.fromstring(out.with_suffix(suffix).read_text()).tag.endswith("svg")
+
+
+def test_concurrency_mode_writes_a_row_per_method_and_level(tmp_path):
+    out = tmp_path / "shared.json"
+    argv = ["--preset", "tiny", "--count", "2", "--start-turn", "1", "--pool-slots", "200000", "--concurrency", "1", "2",
+            "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["mode"] == "shared" and result["in_place"] and result["pool_slots"] == 200000
+    names = ["full", "standard", "text_engineering", "trim", "akv_keep12", "akv_keep12_every_turn", "akv_live_budget"]
+    assert [(r["method"], r["concurrency"]) for r in result["rows"]] == [(n, c) for c in (1, 2) for n in names]
+    for r in result["rows"]:  # every counted prompt token was prefilled, read or skipped by a drop
+        assert r["prefilled"] + r["cached"] + r["repos"] <= r["prompt"] and r["waits"] == 0 and r["refused"] == []
+    table = out.with_suffix(".md").read_text()
+    assert all(f"| {n} | 2 |" in table for n in names)

@@ -10,7 +10,8 @@ import pytest
 
 from akv.agent import CachePolicy, TokenReposition, TokenSelection, TokenTrigger
 from bench.agent_replay.methods import AKV, FullContext, Summarize, Trim, reference_policy
-from bench.agent_replay.simulator import PriceTable, simulate, totals
+from bench.agent_replay import simulator as simulator_module
+from bench.agent_replay.simulator import PriceTable, Simulator, simulate, simulate_shared, totals
 from bench.agent_replay.trajectories import BROWSE, SWE, MessageSpec, Trajectory, generate
 
 G = 3
@@ -151,3 +152,39 @@ def test_akv_reads_instead_of_reprefilling():
     # tokens a call computed itself before its drop, which full context computes too)
     assert akv["cached"] + akv["repos"] <= full["cached"] <= akv["cached"] + akv["repos"] + akv["skipped"]
     assert akv["max_live"] < full["max_live"]
+
+
+def _pool_after(run_pool):
+    """Slots still referenced once the tree is flushed (every in-flight request is finished by then)."""
+    run_pool.core.flush()
+    return run_pool.core.pool.size - run_pool.core.pool.n_free
+
+
+def test_shared_run_with_room_counts_what_each_conversation_counts_alone():
+    trajectories = [generate(SWE, seed, f"swe-{seed}", turns=6) for seed in range(3)]
+    method = AKV(reference_policy(2))
+    shared = simulate_shared(trajectories, method, concurrency=3, pool_slots=1 << 20, start_turn=2)
+    assert shared.waits == 0 and shared.refused == []
+    alone = []
+    for t in trajectories:  # each alone from the same turn; its first request is the primed one
+        sim = Simulator(in_place=True)
+        requests = [r for r in method.requests(t) if r.turn >= 2]
+        alone.append([sim.run(r, t.generation_tokens, f"{t.name}#x", method.name) for r in requests][1:])
+    rounds = zip(*alone)  # round robin: one request of each conversation per round
+    expected = [_counts([row]) + [row.repos, row.live] for rnd in rounds for row in rnd]
+    assert [_counts([row]) + [row.repos, row.live] for row in shared.rows] == expected
+    assert len(shared.rows) == 3 * min(len(a) for a in alone)
+
+
+def test_shared_run_on_a_small_pool_waits_refuses_and_leaks_nothing(monkeypatch):
+    trajectories = [generate(BROWSE, seed, f"browse-{seed}", turns=8) for seed in range(4)]
+    method = FullContext()
+    made = []
+    monkeypatch.setattr(simulator_module, "Simulator", lambda *a, **k: made.append(Simulator(*a, **k)) or made[-1])
+    largest = max(sum(s.tokens for s in t.specs) for t in trajectories)
+    shared = simulate_shared(trajectories, method, concurrency=4, pool_slots=largest + 64)
+    assert shared.waits > 0 and shared.refused == [] and shared.peak_pool_used <= largest + 64
+    assert _pool_after(made[-1]) == 0
+    tiny = simulate_shared(trajectories, method, concurrency=2, pool_slots=1000)  # a system prompt alone is bigger
+    assert sorted(tiny.refused) == ["browse-0#0", "browse-1#1"] and tiny.rows == []
+    assert _pool_after(made[-1]) == 0
