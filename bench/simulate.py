@@ -16,7 +16,8 @@ With ``--concurrency C ...`` it plays instead the serving replay's load on one s
 trajectories from ``--start-turn``, C requests in flight on ``--pool-slots`` slots, AKV re-rotating
 in place as the patched server does (``--copies``: every re-rotation a copy, as before in-place
 re-rotation); per method and C, the tokens prefilled, read and re-rotated, the waits for room, the
-conversations refused and the pool's peak, in the JSON and the markdown table::
+conversations refused and the pool's peak; the live KV each reply attends to (mean and max: what a
+decode step reads beside the weights), in the JSON and the markdown table (per call)::
 
     python bench/simulate.py --preset browse --count 8 --start-turn 12 --pool-slots 600000 \
         --concurrency 4 8 16 --out bench/results/simulate-shared-browse.json"""
@@ -111,19 +112,22 @@ def shared(args: argparse.Namespace, head: dict[str, Any], trajectories: list[Tr
             total = totals(run.rows, prices)
             row = {"method": method.name, "concurrency": level, "calls": total["calls"],
                    **{k: total[k] for k in ("prompt", "prefilled", "cached", "repos", "generated", "max_live")},
+                   "mean_live": round(sum(r.live for r in run.rows) / max(1, len(run.rows))),
                    "waits": run.waits, "refused": run.refused, "peak_pool_used": run.peak_pool_used,
                    "seconds": round(time.monotonic() - started, 1)}
             rows.append(row)
             print(f"c={level:<3d} {method.name:>22}: {row['calls']:4d} calls, {row['prefilled']:>11,} prefilled, "
                   f"{row['cached'] + row['repos']:>12,} read, {row['waits']} waits, {len(row['refused'])} refused",
                   flush=True)
-    head_cells = ("method", "conc.", "calls", "prefilled", "cached", "re-rotated", "max live", "waits", "refused",
-                  "pool peak")
+    head_cells = ("method", "conc.", "calls", "prefilled per call", "read per call", "mean live", "max live",
+                  "waits", "refused", "pool peak")
     lines = ["| " + " | ".join(head_cells) + " |", "|" + "---|" * len(head_cells)]
     for r in rows:
+        calls = max(1, r["calls"])
         lines.append("| " + " | ".join([r["method"], str(r["concurrency"]), str(r["calls"]),
-                                        *(f"{r[k]:,}" for k in ("prefilled", "cached", "repos", "max_live")),
-                                        str(r["waits"]), str(len(r["refused"])), f"{r['peak_pool_used']:,}"]) + " |")
+                                        f"{r['prefilled'] // calls:,}", f"{(r['cached'] + r['repos']) // calls:,}",
+                                        f"{r['mean_live']:,}", f"{r['max_live']:,}", str(r["waits"]),
+                                        str(len(r["refused"])), f"{r['peak_pool_used']:,}"]) + " |")
     table = "\n".join(lines) + "\n"
     results.write({**head, "mode": "shared", "pool_slots": args.pool_slots, "start_turn": args.start_turn,
                    "in_place": not args.copies, "trajectories": [t.stats() for t in trajectories], "rows": rows},
