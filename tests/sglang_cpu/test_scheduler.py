@@ -22,7 +22,7 @@ from akv.system.reference.model import ReferenceModel
 from akv.system.reference.oracle import run_oracle, run_program
 
 from . import scenarios
-from .conftest import serve
+from .conftest import serve, serve_parts
 from .scenarios import Request
 
 pytestmark = pytest.mark.slow
@@ -262,31 +262,51 @@ def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, ora
     assert_pool_back(report)
 
 
-@pytest.mark.parametrize("mix", ["copies", "two-and-one"])
-def test_rounds_left_count_in_admission(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel,
-                                        mix: str) -> None:
+ROUNDS_MIXES = ("copies", "two-and-one")
+NEAR_POOL = 200
+NEAR_COPIES = (3, 5)
+
+
+@pytest.fixture(scope="module")
+def rounds_pressure_runs(patched_site: Path, tiny_qwen3: Path) -> dict[str, tuple[list, dict]]:
+    """Each mix's waves and report, one scheduler for all (the same settings), flushed between mixes."""
+    waves = [scenarios.rounds_pressure_waves(mix) for mix in ROUNDS_MIXES]
+    reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128, max_total_tokens=180)
+    return dict(zip(ROUNDS_MIXES, zip(waves, reports, strict=True), strict=True))
+
+
+@pytest.fixture(scope="module")
+def near_the_pool_runs(patched_site: Path, tiny_qwen3: Path) -> dict[int, tuple[list, dict]]:
+    """Each copy count's waves and report, one audited scheduler for all, flushed between counts."""
+    waves = [scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES]
+    reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128,
+                          max_total_tokens=NEAR_POOL, audit=True)
+    return dict(zip(NEAR_COPIES, zip(waves, reports, strict=True), strict=True))
+
+
+@pytest.mark.parametrize("mix", ROUNDS_MIXES)
+def test_rounds_left_count_in_admission(rounds_pressure_runs: dict[str, tuple[list, dict]],
+                                        oracle_model: ReferenceModel, mix: str) -> None:
     """Five-segment requests sent at once on a pool that holds one of them but not two: a request
     joining between another's rounds must leave it the KV its later rounds and new tokens need (it
     waits instead; without that the scheduler ran out of memory in ``alloc_for_extend``), and every
     request is exact."""
-    waves = scenarios.rounds_pressure_waves(mix)
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=180)
+    waves, report = rounds_pressure_runs[mix]
     for request in waves[0]:
         assert_exact(oracle_model, request, report["results"][request.rid])
     assert_pool_back(report)
 
 
-@pytest.mark.parametrize("n_copies", [3, 5])
+@pytest.mark.parametrize("n_copies", NEAR_COPIES)
 def test_copies_of_a_request_near_the_pool_size_are_served_and_nothing_stalls(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel, n_copies: int) -> None:
+        near_the_pool_runs: dict[int, tuple[list, dict]], oracle_model: ReferenceModel, n_copies: int) -> None:
     """Copies of a four-segment turn whose births and copies nearly fill the pool, sent at once with
     another such turn and a plain request while the tree is full of evictable KV: each gets the new
     tokens the pool leaves beside its slots (SGLang's admission bound), and no fewer; every request
     finishes (before, the first copy was never admitted and the queue behind it waited forever), is
     exact, and the pool ends as it began, with every cache read checked against the brute force."""
-    pool = 200
-    waves = scenarios.copies_near_the_pool_waves(n_copies)
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=pool, audit=True)
+    pool = NEAR_POOL
+    waves, report = near_the_pool_runs[n_copies]
     for wave in waves:
         for request in wave:
             granted = request.max_new
