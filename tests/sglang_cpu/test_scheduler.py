@@ -6,6 +6,7 @@ with SGLang's strict idle leak check on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,33 @@ def oracle_model(tiny_qwen3: Path) -> ReferenceModel:
     return ReferenceModel.from_pretrained(tiny_qwen3, dtype=torch.float32)
 
 
+AFTER_THE_MATRIX = {"normal-chunk4": scenarios.abort_waves, "normal-chunk64": scenarios.segment_join_waves}
+"""Waves of a test whose own scheduler settings are a mode's but for the checks the mode adds (the
+FlashInfer probe, normal-chunk64's TP plan check): served in that mode's process after the matrix, the
+cache flushed between."""
+
+
+@pytest.fixture(scope="module")
+def mode_runs(patched_site: Path, tiny_qwen3: Path) -> Callable[[str], list[tuple[list, dict]]]:
+    """A mode's runs, served by one process the first time a test asks for them: the matrix's waves and
+    report, then those of ``AFTER_THE_MATRIX`` where it names the mode."""
+    served: dict[str, list[tuple[list, dict]]] = {}
+
+    def runs(mode: str) -> list[tuple[list, dict]]:
+        if mode not in served:
+            parts = [scenarios.matrix(), *([AFTER_THE_MATRIX[mode]()] if mode in AFTER_THE_MATRIX else [])]
+            reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(waves) for waves in parts],
+                                  flashinfer_probe=True, **MODES[mode])
+            served[mode] = list(zip(parts, reports, strict=True))
+        return served[mode]
+
+    return runs
+
+
 @pytest.fixture(scope="module", params=list(MODES))
-def matrix_run(request: pytest.FixtureRequest, patched_site: Path, tiny_qwen3: Path) -> tuple[list, dict]:
-    waves = scenarios.matrix()
-    return waves, serve(patched_site, tiny_qwen3, scenarios.job(waves), flashinfer_probe=True, **MODES[request.param])
+def matrix_run(request: pytest.FixtureRequest,
+               mode_runs: Callable[[str], list[tuple[list, dict]]]) -> tuple[list, dict]:
+    return mode_runs(request.param)[0]
 
 
 def _program(request: Request):
@@ -321,11 +345,10 @@ def test_copies_of_a_request_near_the_pool_size_are_served_and_nothing_stalls(
 
 
 def test_plain_requests_join_the_rounds_of_a_multi_segment_request(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+        mode_runs: Callable[[str], list[tuple[list, dict]]], oracle_model: ReferenceModel) -> None:
     """SGLang's one chunked-request slot is taken by a turn with two segments; short plain requests
     sent with it run in its first round's forward instead of waiting for its last, and all are exact."""
-    waves = scenarios.segment_join_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64)
+    waves, report = mode_runs("normal-chunk64")[1]
     for wave in waves:
         for request in wave:
             assert_exact(oracle_model, request, report["results"][request.rid])
@@ -368,9 +391,8 @@ def test_multi_segment_requests_prefill_in_one_forward(
 
 
 def test_aborts_release_everything_and_the_next_requests_are_exact(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
-    waves = scenarios.abort_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
+        mode_runs: Callable[[str], list[tuple[list, dict]]], oracle_model: ReferenceModel) -> None:
+    waves, report = mode_runs("normal-chunk4")[1]
     for request in (waves[0][0], waves[1][0]):
         assert report["results"][request.rid]["finished"]["type"] == "abort", request.rid
     for request in waves[2]:
