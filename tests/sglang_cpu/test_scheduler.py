@@ -40,7 +40,8 @@ def oracle_model(tiny_qwen3: Path) -> ReferenceModel:
     return ReferenceModel.from_pretrained(tiny_qwen3, dtype=torch.float32)
 
 
-AFTER_THE_MATRIX = {"normal-chunk4": scenarios.abort_waves, "normal-chunk64": scenarios.segment_join_waves}
+AFTER_THE_MATRIX = {"normal-chunk4": (scenarios.abort_waves, scenarios.in_place_abort_waves),
+                    "normal-chunk64": (scenarios.segment_join_waves,)}
 """Waves of a test whose own scheduler settings are a mode's but for the checks the mode adds (the
 FlashInfer probe, normal-chunk64's TP plan check): served in that mode's process after the matrix, the
 cache flushed between."""
@@ -49,12 +50,12 @@ cache flushed between."""
 @pytest.fixture(scope="module")
 def mode_runs(patched_site: Path, tiny_qwen3: Path) -> Callable[[str], list[tuple[list, dict]]]:
     """A mode's runs, served by one process the first time a test asks for them: the matrix's waves and
-    report, then those of ``AFTER_THE_MATRIX`` where it names the mode."""
+    report, then those of ``AFTER_THE_MATRIX`` for the mode, in its order."""
     served: dict[str, list[tuple[list, dict]]] = {}
 
     def runs(mode: str) -> list[tuple[list, dict]]:
         if mode not in served:
-            parts = [scenarios.matrix(), *([AFTER_THE_MATRIX[mode]()] if mode in AFTER_THE_MATRIX else [])]
+            parts = [scenarios.matrix(), *(waves() for waves in AFTER_THE_MATRIX.get(mode, ()))]
             reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(waves) for waves in parts],
                                   flashinfer_probe=True, **MODES[mode])
             served[mode] = list(zip(parts, reports, strict=True))
@@ -401,14 +402,13 @@ def test_aborts_release_everything_and_the_next_requests_are_exact(
 
 
 def test_an_in_place_turn_aborted_mid_prefill_loses_only_what_it_rotated(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+        mode_runs: Callable[[str], list[tuple[list, dict]]], oracle_model: ReferenceModel) -> None:
     """A turn that rotates 18 resident tokens in place is aborted after its first round (its rotation
     ran): every slot it allocated is freed, and of the tree only the 18 versions it overwrote are
     gone (the pool holds the first turn's text less those 18); the turn sent again recomputes them
     (usage says so, as the cache core's own accounting with the abort does), and every later request,
     context or plain, is exact."""
-    waves = scenarios.in_place_abort_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
+    waves, report = mode_runs("normal-chunk4")[2]
     results = report["results"]
     assert results["iabort-2"]["finished"]["type"] == "abort", results["iabort-2"]["finished"]
     for wave in waves[2:] + waves[:1]:
