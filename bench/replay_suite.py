@@ -58,7 +58,8 @@ from bench.harness.servers import Server, free_port_pair  # noqa: E402
 
 GPU_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--page-size", "1", "--chunked-prefill-size", "8192",
              "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch", "--context-length", "131072"]
-CPU_FLAGS = [*servers.cpu_flags(16384), "--page-size", "1"]
+CPU_POOL_TOKENS = 16384
+"""--max-total-tokens of each CPU server with --dry-run unless --pool-tokens says otherwise."""
 MIN_RUN_S = 3.0
 
 
@@ -124,7 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--mem-fraction-static of each server (default 0.85 in turn; 0.8 together, where the pool "
                         "cap leaves the other server room whichever profiles the GPU first)")
     p.add_argument("--pool-tokens", type=int, default=int(env("AKV_REPLAY_POOL_TOKENS", "0")) or None,
-                   help="--max-total-tokens of each server (default: none in turn, 150000 together)")
+                   help="--max-total-tokens of each server (default: none in turn, 150000 together; "
+                        f"{CPU_POOL_TOKENS} with --dry-run)")
     p.add_argument("--prime", type=int, choices=(0, 1), default=int(env("AKV_REPLAY_PRIME", "1")),
                    help="1: each conversation's cold first request is sent unmeasured and a run starts once all are "
                         "back (steady state); 0: measure from the cold start")
@@ -155,7 +157,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.servers = args.servers or ("in-turn" if args.dry_run else "together")
     together = args.servers == "together"
     args.mem_fraction = args.mem_fraction or ("0.8" if together else "0.85")
-    args.pool_tokens = args.pool_tokens or (150_000 if together else None)
+    args.pool_tokens = args.pool_tokens or (150_000 if together and not args.dry_run else None)
     return args
 
 
@@ -201,8 +203,11 @@ def make_sites(args: argparse.Namespace) -> None:
 def make_servers(args: argparse.Namespace) -> list[Server]:
     """The stock server (text methods) and the patched one (AKV)."""
     base = dict(os.environ)
-    flags = CPU_FLAGS if args.dry_run else [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction,
-                                            "--cuda-graph-max-bs", str(max(16, *args.levels))]
+    if args.dry_run:
+        flags = [*servers.cpu_flags(args.pool_tokens or CPU_POOL_TOKENS), "--page-size", "1"]
+    else:
+        flags = [*GPU_FLAGS, "--mem-fraction-static", args.mem_fraction,
+                 "--cuda-graph-max-bs", str(max(16, *args.levels))]
     if not args.dry_run and not args.prefill_graphs:
         flags = [*flags, "--cuda-graph-backend-prefill", "disabled"]
     if args.pool_tokens and not args.dry_run:
@@ -271,7 +276,8 @@ def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -
 
 @dataclass
 class Suite:
-    """One suite run: settings, the realized trajectories, the result being written, the clock."""
+    """One suite run: settings, the realized trajectories, the result being written, the clock, and
+    the servers it was handed already running (``main``'s ``attached``)."""
 
     args: argparse.Namespace
     trajectories: list
@@ -282,6 +288,7 @@ class Suite:
     status: int = 0
     tails: dict[int, float] = field(default_factory=dict)
     launched: dict[str, float] = field(default_factory=dict)
+    attached: frozenset[str] = frozenset()
 
     def elapsed(self) -> float:
         return time.time() - self.started
@@ -292,25 +299,36 @@ class Suite:
         log(text, self.started)
 
     def launch(self, server: Server) -> None:
+        if server.name in self.attached:
+            log(f"{server.name}: attached: {server.command}", self.started)
+            return
         log(f"{server.name}: starting: {server.command}", self.started)
         self.launched[server.name] = time.time()
         server.start()
 
     def ready(self, server: Server) -> bool:
-        """Wait for `server`'s /health and send the warm-up request; False (noted) on failure."""
-        try:
-            server.wait(self.args.ready_timeout)
-        except (RuntimeError, TimeoutError, OSError) as exc:
-            server.stop()
-            self.result["servers"][server.name] = {"command": server.command, "error": str(exc)[-2000:]}
-            self.note(f"{server.name} server did not start: {str(exc)[:300]}")
-            return False
-        startup = time.time() - self.launched[server.name]
+        """Wait for `server`'s /health (unless attached) and send the warm-up request; False (noted) on
+        failure."""
+        if server.name in self.attached:
+            started = {"attached": True}
+        else:
+            try:
+                server.wait(self.args.ready_timeout)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                server.stop()
+                self.result["servers"][server.name] = {"command": server.command, "error": str(exc)[-2000:]}
+                self.note(f"{server.name} server did not start: {str(exc)[:300]}")
+                return False
+            started = {"startup_s": round(time.time() - self.launched[server.name], 1)}
         warmup = warm_up(server, self.trajectories, self.filler, self.args, self.started)
-        self.result["servers"][server.name] = {"command": server.command, "startup_s": round(startup, 1),
-                                               "warmup": warmup}
-        log(f"{server.name}: ready in {startup:.0f} s; warm-up request {warmup}", self.started)
+        self.result["servers"][server.name] = {"command": server.command, **started, "warmup": warmup}
+        log(f"{server.name}: ready ({started}); warm-up request {warmup}", self.started)
         return True
+
+    def stop(self, server: Server) -> None:
+        """Stop `server` unless it was attached."""
+        if server.name not in self.attached:
+            server.stop()
 
     def replay_phase(self, server: Server, methods: list, phase_end: float) -> None:
         """Every (method, concurrency) of one server, each starting new requests for its share of the
@@ -341,7 +359,11 @@ class Suite:
         return time.time() + max(0.0, left) * runs_now / max(1, runs_now + runs_later)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, attached: dict[str, Server] | None = None) -> int:
+    """``attached``: servers already running, by the name :func:`make_servers` gives them ("stock",
+    "patched"), which this run uses instead of launching its own and does not stop (the replay
+    tests on the CPU run the dry run on servers they share with another test)."""
+    attached = attached or {}
     started = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the rows
     args = parse_args(argv)
@@ -351,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     make_model(args)
     make_sites(args)
     log(f"model {args.model}, stock site {args.stock_site}, patched site {args.patched_site or 'PYTHONPATH'}", started)
-    stock, patched = make_servers(args)
+    stock, patched = (attached.get(server.name, server) for server in make_servers(args))
     # AKV first, Standard first among the text methods: a deadline cuts the last text methods' highest levels
     phases = [(patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url))),
               (stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url)))]
@@ -372,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
         "settings": settings, "label": label,
         "goals": GOALS, "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}
-    suite = Suite(args, trajectories, filler, levels, result, started)
+    suite = Suite(args, trajectories, filler, levels, result, started, attached=frozenset(attached))
     n_runs = [len(methods) * len(levels) for _, methods in phases]
     try:
         if args.servers == "together":
@@ -392,16 +414,16 @@ def main(argv: list[str] | None = None) -> int:
                 suite.launch(server)
                 if not suite.ready(server):
                     continue
-                startup_s = result["servers"][server.name]["startup_s"]
+                startup_s = result["servers"][server.name].get("startup_s", 0.0)
                 end = suite.phase_end(n_runs[p], sum(n_runs[p + 1:]), len(phases) - p - 1, startup_s)
                 try:
                     suite.replay_phase(server, methods, end)
                 finally:
-                    server.stop()
-                    log(f"{server.name}: stopped", started)
+                    suite.stop(server)
+                    log(f"{server.name}: {'left running' if server.name in attached else 'stopped'}", started)
     finally:
         for server, _ in phases:
-            server.stop()
+            suite.stop(server)
         result["total_s"] = round(time.time() - started, 1)
         write(args, result, levels)
     log("\n" + (args.out / "replay_suite.md").read_text(), started)

@@ -1,13 +1,9 @@
 """The replay suite: AKV vs Standard ratios at equal concurrency against the goals, each method's
-best concurrency and the markdown table (hand-worked rows); its CPU dry run end to end (slow)."""
+best concurrency and the markdown table (hand-worked rows). Its CPU dry run end to end is in
+test_replay_sglang_cpu.py, on the servers that module starts for its own test too."""
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
-from bench import replay_suite
 from bench.agent_replay import suite_report as report
 
 
@@ -51,23 +47,3 @@ def test_markdown_shows_the_patched_servers_time_per_context_request():
         "forwards": 1.0, "kernel_first_launches": 0.0})
     result = {"command": "c", "label": "l", "rows": [timed], "ratios": [], "best": {}}
     assert "| akv_keep12 | 4 | 20 | 12.5 | 3.0 | 0.0 | 80.2 | 4.0 | 1.5 | 1.00 |" in report.markdown(result)
-
-
-@pytest.mark.slow
-def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(tmp_path):
-    """The suite's --dry-run end to end on CPU: both CPU servers start from the pinned wheel, trim
-    runs on stock SGLang (plain requests: no AKV usage), AKV on the patched server (its usage shows
-    the drops), each measured from its second request (primed), and the files are written."""
-    argv = ["--dry-run", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--concurrency", "1",
-            "--stock-methods", "trim", "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
-    assert replay_suite.main(argv) == 0
-    result = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
-    assert {"command", "commit", "date", "machine"} <= set(result)  # bench/harness/results.py's header
-    rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"trim", "akv_keep12"} and all(r["failed"] == 0 and r["requests"] == 3 for r in rows.values())
-    assert rows["trim"]["server"] == "stock" and not rows["trim"]["server_reported_akv_usage"]
-    assert rows["akv_keep12"]["server"] == "patched" and rows["akv_keep12"]["drop_skipped_tokens"] > 0
-    assert [q["method"] for q in result["ratios"]] == []  # no Standard row to compare with
-    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"replay_suite.json", "replay_suite.md",
-                                                               "replay_suite.svg", "server-stock.log",
-                                                               "server-patched.log"}

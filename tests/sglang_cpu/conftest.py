@@ -32,16 +32,23 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("sglang-cpu") / "tiny-qwen3", seed=3)
 
 
-def serve(site: Path, model: Path, waves: list[dict], *, overlap: bool = False, chunk: int = 4,
-          backend: str | None = "akv", env: dict[str, str] | None = None, max_total_tokens: int = 4096,
-          timeout: int = 1500, server_args: dict[str, Any] | None = None,
-          flashinfer_probe: bool = False, audit: bool = False) -> dict[str, Any]:
-    """Run ``waves`` through a fresh scheduler in its own process; the driver's JSON report.
+def serve(site: Path, model: Path, waves: list[dict], **settings: Any) -> dict[str, Any]:
+    """Run ``waves`` through a fresh scheduler in its own process; the driver's JSON report
+    (``settings`` as :func:`serve_parts` takes them)."""
+    return serve_parts(site, model, [waves], **settings)[0]
+
+
+def serve_parts(site: Path, model: Path, parts: list[list[dict]], *, overlap: bool = False, chunk: int = 4,
+                backend: str | None = "akv", env: dict[str, str] | None = None, max_total_tokens: int = 4096,
+                timeout: int = 1500, server_args: dict[str, Any] | None = None,
+                flashinfer_probe: bool = False, audit: bool = False) -> list[dict[str, Any]]:
+    """Run each part's waves through one scheduler in its own process, the cache flushed between
+    parts (each part meets the scheduler as a fresh one would); a report per part.
     ``server_args`` are extra ``ServerArgs`` fields (model-specific flags); ``flashinfer_probe`` also
     plans FlashInfer for every context forward (see flashinfer_probe.py); ``audit`` checks every
     cache read against the brute force while it runs."""
     job = {"model": str(model), "overlap": overlap, "chunk": chunk, "backend": backend,
-           "env": {**STRICT, **(env or {})}, "waves": waves, "max_total_tokens": max_total_tokens,
+           "env": {**STRICT, **(env or {})}, "parts": parts, "max_total_tokens": max_total_tokens,
            "server_args": server_args or {}, "flashinfer_probe": flashinfer_probe, "audit": audit}
     process_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(HERE / "scheduler_driver.py")], input=json.dumps(job),

@@ -52,6 +52,11 @@ def report() -> dict[str, Any]:
     return {**STATS, "mismatches": STATS["mismatches"][:5], "n_mismatches": len(STATS["mismatches"])}
 
 
+def reset() -> None:
+    """Counts start from zero again (the driver's next part)."""
+    STATS.update(decode=0, extend=0, mismatches=[])
+
+
 def _mismatch(kind: str, what: str, got: Any, expected: Any) -> None:
     STATS["mismatches"].append({"kind": kind, "what": what, "got": str(got)[:300], "expected": str(expected)[:300]})
 

@@ -1,7 +1,11 @@
 """Serve requests through SGLang 0.5.16's real ``Scheduler`` + ``TpModelWorker`` on the CPU.
 
 Run as a script (its own process: SGLang's scheduler owns a torch.distributed world) with the
-patched wheel's site first on ``PYTHONPATH``; reads a JSON job on stdin and prints one JSON line.
+patched wheel's site first on ``PYTHONPATH``; reads a JSON job on stdin and prints one JSON line,
+a report per part of the job. Each part's waves meet the scheduler as a fresh one would (SGLang's
+own cache flush between parts, every record started afresh), so that tests with the same scheduler
+settings share one process.
+
 The scheduler's real event loop (normal or overlap) runs in a thread and is fed over ZMQ the way
 SGLang's tokenizer manager feeds it; outputs are captured where the scheduler hands them to the
 detokenizer. Per request the result holds the output ids, the usage SGLang reports, and the
@@ -69,7 +73,8 @@ import cpu_models  # noqa: E402
 
 cpu_models.install()  # MiniMax-M2's QK norm without its CUDA-only wrappers
 
-from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput, sock_send  # noqa: E402
+from sglang.srt.managers.io_struct import (  # noqa: E402
+    AbortReq, FlushCacheReqInput, FlushCacheReqOutput, TokenizedGenerateReqInput, sock_send)
 from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import PortArgs, ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
@@ -283,6 +288,30 @@ class Driver:
     def abort(self, rid: str) -> None:
         sock_send(self.push, AbortReq(rid=rid))
 
+    def flush(self, timeout: float = 60) -> None:
+        """SGLang's cache flush, sent as the tokenizer manager sends ``/flush_cache`` (the loop handles
+        it between steps): the tree and the pools emptied; then every record (outputs, logits, batches,
+        prefill log, audit counts, FlashInfer probe) starts afresh."""
+        sock_send(self.push, FlushCacheReqInput())
+        deadline = time.time() + timeout
+        while True:
+            with self.lock:
+                flushed = [out for out in self.outputs if isinstance(out, FlushCacheReqOutput)]
+            if flushed or self.error or time.time() > deadline:
+                break
+            time.sleep(0.05)
+        if not flushed or not flushed[0].success:
+            raise RuntimeError(self.error or f"flush refused or not answered: {flushed}; {self.state()}")
+        with self.lock:
+            self.outputs.clear()
+        for record in (self.logits, self.prompt_len):
+            record.clear()
+        for log in (self.batches, self.tokens, self.extends, self.prefill_log.lines):
+            log.clear()
+        if self.audit is not None:
+            self.audit.counts = dict.fromkeys(self.audit.counts, 0)
+        flashinfer_probe.reset()
+
     def results(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         with self.lock:
@@ -366,24 +395,30 @@ def main() -> None:
     started = time.time()
     driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096),
                     job.get("server_args", {}), job.get("audit", False))
-    report: dict[str, Any] = {"startup_s": round(time.time() - started, 1), "waves": []}
-    for wave in job["waves"]:
-        t = time.time()
-        driver.submit_wave(wave["requests"])
-        driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900),
-                    wave.get("aborts_after_forwards"))
-        report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool()})
-    if driver.error:
-        raise RuntimeError(driver.error)
-    report["results"] = driver.results()
-    report["batches"] = driver.batches
-    report["tokens"] = driver.tokens
-    report["extends"] = driver.extends
-    report["prefills"] = driver.prefill_log.lines
-    if job.get("flashinfer_probe"):
-        report["flashinfer_probe"] = flashinfer_probe.report()
-    report["audit"] = None if driver.audit is None else driver.audit.counts
-    print(json.dumps(report))
+    startup_s = round(time.time() - started, 1)
+    reports = []
+    for k, waves in enumerate(job["parts"]):
+        if k:
+            driver.flush()
+        report: dict[str, Any] = {"startup_s": startup_s, "waves": []}
+        for wave in waves:
+            t = time.time()
+            driver.submit_wave(wave["requests"])
+            driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900),
+                        wave.get("aborts_after_forwards"))
+            report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool()})
+        if driver.error:
+            raise RuntimeError(driver.error)
+        report["results"] = driver.results()
+        report["batches"] = list(driver.batches)
+        report["tokens"] = list(driver.tokens)
+        report["extends"] = list(driver.extends)
+        report["prefills"] = list(driver.prefill_log.lines)
+        if job.get("flashinfer_probe"):
+            report["flashinfer_probe"] = flashinfer_probe.report()
+        report["audit"] = None if driver.audit is None else dict(driver.audit.counts)
+        reports.append(report)
+    print(json.dumps(reports))
     sys.stdout.flush()
     os._exit(0)
 

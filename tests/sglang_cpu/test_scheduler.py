@@ -6,6 +6,7 @@ with SGLang's strict idle leak check on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from akv.system.reference.model import ReferenceModel
 from akv.system.reference.oracle import run_oracle, run_program
 
 from . import scenarios
-from .conftest import serve
+from .conftest import serve, serve_parts
 from .scenarios import Request
 
 pytestmark = pytest.mark.slow
@@ -39,10 +40,34 @@ def oracle_model(tiny_qwen3: Path) -> ReferenceModel:
     return ReferenceModel.from_pretrained(tiny_qwen3, dtype=torch.float32)
 
 
+AFTER_THE_MATRIX = {"normal-chunk4": (scenarios.abort_waves, scenarios.in_place_abort_waves),
+                    "normal-chunk64": (scenarios.segment_join_waves,)}
+"""Waves of a test whose own scheduler settings are a mode's but for the checks the mode adds (the
+FlashInfer probe, normal-chunk64's TP plan check): served in that mode's process after the matrix, the
+cache flushed between."""
+
+
+@pytest.fixture(scope="module")
+def mode_runs(patched_site: Path, tiny_qwen3: Path) -> Callable[[str], list[tuple[list, dict]]]:
+    """A mode's runs, served by one process the first time a test asks for them: the matrix's waves and
+    report, then those of ``AFTER_THE_MATRIX`` for the mode, in its order."""
+    served: dict[str, list[tuple[list, dict]]] = {}
+
+    def runs(mode: str) -> list[tuple[list, dict]]:
+        if mode not in served:
+            parts = [scenarios.matrix(), *(waves() for waves in AFTER_THE_MATRIX.get(mode, ()))]
+            reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(waves) for waves in parts],
+                                  flashinfer_probe=True, **MODES[mode])
+            served[mode] = list(zip(parts, reports, strict=True))
+        return served[mode]
+
+    return runs
+
+
 @pytest.fixture(scope="module", params=list(MODES))
-def matrix_run(request: pytest.FixtureRequest, patched_site: Path, tiny_qwen3: Path) -> tuple[list, dict]:
-    waves = scenarios.matrix()
-    return waves, serve(patched_site, tiny_qwen3, scenarios.job(waves), flashinfer_probe=True, **MODES[request.param])
+def matrix_run(request: pytest.FixtureRequest,
+               mode_runs: Callable[[str], list[tuple[list, dict]]]) -> tuple[list, dict]:
+    return mode_runs(request.param)[0]
 
 
 def _program(request: Request):
@@ -262,31 +287,51 @@ def test_copy_slots_count_in_admission(patched_site: Path, tiny_qwen3: Path, ora
     assert_pool_back(report)
 
 
-@pytest.mark.parametrize("mix", ["copies", "two-and-one"])
-def test_rounds_left_count_in_admission(patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel,
-                                        mix: str) -> None:
+ROUNDS_MIXES = ("copies", "two-and-one")
+NEAR_POOL = 200
+NEAR_COPIES = (3, 5)
+
+
+@pytest.fixture(scope="module")
+def rounds_pressure_runs(patched_site: Path, tiny_qwen3: Path) -> dict[str, tuple[list, dict]]:
+    """Each mix's waves and report, one scheduler for all (the same settings), flushed between mixes."""
+    waves = [scenarios.rounds_pressure_waves(mix) for mix in ROUNDS_MIXES]
+    reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128, max_total_tokens=180)
+    return dict(zip(ROUNDS_MIXES, zip(waves, reports, strict=True), strict=True))
+
+
+@pytest.fixture(scope="module")
+def near_the_pool_runs(patched_site: Path, tiny_qwen3: Path) -> dict[int, tuple[list, dict]]:
+    """Each copy count's waves and report, one audited scheduler for all, flushed between counts."""
+    waves = [scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES]
+    reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128,
+                          max_total_tokens=NEAR_POOL, audit=True)
+    return dict(zip(NEAR_COPIES, zip(waves, reports, strict=True), strict=True))
+
+
+@pytest.mark.parametrize("mix", ROUNDS_MIXES)
+def test_rounds_left_count_in_admission(rounds_pressure_runs: dict[str, tuple[list, dict]],
+                                        oracle_model: ReferenceModel, mix: str) -> None:
     """Five-segment requests sent at once on a pool that holds one of them but not two: a request
     joining between another's rounds must leave it the KV its later rounds and new tokens need (it
     waits instead; without that the scheduler ran out of memory in ``alloc_for_extend``), and every
     request is exact."""
-    waves = scenarios.rounds_pressure_waves(mix)
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=180)
+    waves, report = rounds_pressure_runs[mix]
     for request in waves[0]:
         assert_exact(oracle_model, request, report["results"][request.rid])
     assert_pool_back(report)
 
 
-@pytest.mark.parametrize("n_copies", [3, 5])
+@pytest.mark.parametrize("n_copies", NEAR_COPIES)
 def test_copies_of_a_request_near_the_pool_size_are_served_and_nothing_stalls(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel, n_copies: int) -> None:
+        near_the_pool_runs: dict[int, tuple[list, dict]], oracle_model: ReferenceModel, n_copies: int) -> None:
     """Copies of a four-segment turn whose births and copies nearly fill the pool, sent at once with
     another such turn and a plain request while the tree is full of evictable KV: each gets the new
     tokens the pool leaves beside its slots (SGLang's admission bound), and no fewer; every request
     finishes (before, the first copy was never admitted and the queue behind it waited forever), is
     exact, and the pool ends as it began, with every cache read checked against the brute force."""
-    pool = 200
-    waves = scenarios.copies_near_the_pool_waves(n_copies)
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=pool, audit=True)
+    pool = NEAR_POOL
+    waves, report = near_the_pool_runs[n_copies]
     for wave in waves:
         for request in wave:
             granted = request.max_new
@@ -301,11 +346,10 @@ def test_copies_of_a_request_near_the_pool_size_are_served_and_nothing_stalls(
 
 
 def test_plain_requests_join_the_rounds_of_a_multi_segment_request(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+        mode_runs: Callable[[str], list[tuple[list, dict]]], oracle_model: ReferenceModel) -> None:
     """SGLang's one chunked-request slot is taken by a turn with two segments; short plain requests
     sent with it run in its first round's forward instead of waiting for its last, and all are exact."""
-    waves = scenarios.segment_join_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=64)
+    waves, report = mode_runs("normal-chunk64")[1]
     for wave in waves:
         for request in wave:
             assert_exact(oracle_model, request, report["results"][request.rid])
@@ -348,9 +392,8 @@ def test_multi_segment_requests_prefill_in_one_forward(
 
 
 def test_aborts_release_everything_and_the_next_requests_are_exact(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
-    waves = scenarios.abort_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
+        mode_runs: Callable[[str], list[tuple[list, dict]]], oracle_model: ReferenceModel) -> None:
+    waves, report = mode_runs("normal-chunk4")[1]
     for request in (waves[0][0], waves[1][0]):
         assert report["results"][request.rid]["finished"]["type"] == "abort", request.rid
     for request in waves[2]:
@@ -359,14 +402,13 @@ def test_aborts_release_everything_and_the_next_requests_are_exact(
 
 
 def test_an_in_place_turn_aborted_mid_prefill_loses_only_what_it_rotated(
-        patched_site: Path, tiny_qwen3: Path, oracle_model: ReferenceModel) -> None:
+        mode_runs: Callable[[str], list[tuple[list, dict]]], oracle_model: ReferenceModel) -> None:
     """A turn that rotates 18 resident tokens in place is aborted after its first round (its rotation
     ran): every slot it allocated is freed, and of the tree only the 18 versions it overwrote are
     gone (the pool holds the first turn's text less those 18); the turn sent again recomputes them
     (usage says so, as the cache core's own accounting with the abort does), and every later request,
     context or plain, is exact."""
-    waves = scenarios.in_place_abort_waves()
-    report = serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=4)
+    waves, report = mode_runs("normal-chunk4")[2]
     results = report["results"]
     assert results["iabort-2"]["finished"]["type"] == "abort", results["iabort-2"]["finished"]
     for wave in waves[2:] + waves[:1]:
