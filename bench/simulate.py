@@ -70,9 +70,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", help="play the serving replay's load (module docstring)")
     p.add_argument("--start-turn", type=int, default=0, help="with --concurrency: the turn each conversation starts at")
     p.add_argument("--copies", action="store_true", help="with --concurrency: AKV copies every re-rotated key")
-    p.add_argument("--live-budget", type=int, default=96_000, help="with --concurrency: the live-token budget of akv_live_budget (a method of that mode only)")
+    p.add_argument("--methods", nargs="+", help="only these methods (by name; default: all)")
+    p.add_argument("--live-budget", type=int, default=96_000,
+                   help="with --concurrency: the live-token budget of akv_live_budget (a method of that mode only)")
     p.add_argument("--out", type=cli.new_file, required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value, least in (("--concurrency", min(args.concurrency or [1]), 1), ("--pool-slots", args.pool_slots, 1),
+                               ("--start-turn", args.start_turn, 0), ("--count", args.count, 1)):
+        if value < least:
+            p.error(f"{flag}: {value} is less than {least}")
+    names = [m.name for m in methods(args)] + (["akv_live_budget"] if args.concurrency else [])
+    unknown = sorted(set(args.methods or ()) - set(names))
+    if unknown:
+        p.error(f"--methods: {unknown[0]!r} is not one of {', '.join(names)}")
+    return args
 
 
 def load(args: argparse.Namespace) -> list[Trajectory]:
@@ -184,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     trajectories = load(args)
     chosen = methods(args)
     if args.concurrency:
-        live = AKV(lambda counter: live_budget_policy(args.live_budget, counter), name="akv_live_budget")
-        return shared(args, head, trajectories, [*chosen, live], prices)
+        chosen.append(AKV(lambda counter: live_budget_policy(args.live_budget, counter), name="akv_live_budget"))
+    if args.methods:
+        chosen = [m for m in chosen if m.name in args.methods]
+    if args.concurrency:
+        return shared(args, head, trajectories, chosen, prices)
     names = [m.name for m in chosen]
     print(f"{len(trajectories)} trajectories x {len(chosen)} methods", flush=True)
     started = time.monotonic()

@@ -59,3 +59,23 @@ def test_concurrency_mode_writes_a_row_per_method_and_level(tmp_path):
         assert r["prefilled"] + r["cached"] + r["repos"] <= r["prompt"] and r["waits"] == 0 and r["refused"] == []
     table = out.with_suffix(".md").read_text()
     assert all(f"| {n} | 2 |" in table for n in names)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--methods", "akv_keep9"], "--methods: 'akv_keep9' is not one of full, standard"),
+    (["--methods", "akv_live_budget"], "--methods: 'akv_live_budget' is not one of"),  # a --concurrency method only
+    (["--concurrency", "4", "0"], "--concurrency: 0 is less than 1"),
+    (["--start-turn", "-1"], "--start-turn: -1 is less than 0"),
+])
+def test_bad_arguments_are_refused_naming_the_flag(tmp_path, capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_methods_keeps_only_the_named_ones(tmp_path):
+    out = tmp_path / "shared.json"
+    assert main(["--preset", "tiny", "--count", "1", "--concurrency", "1", "--methods", "standard", "akv_live_budget",
+                 "--out", str(out)]) == 0
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["standard", "akv_live_budget"]
