@@ -15,7 +15,8 @@ With ``--concurrency C ...`` it plays instead the serving replay's load on one s
 (:func:`bench.agent_replay.simulator.simulate_shared`): C conversations of the ``--preset``
 trajectories from ``--start-turn``, C requests in flight on ``--pool-slots`` slots, AKV re-rotating
 in place as the patched server does (``--copies``: every re-rotation a copy, as before in-place
-re-rotation); per method and C, the tokens prefilled, read and re-rotated, the waits for room, the
+re-rotation; ``--protect-live``: an admission that waits rather than evict KV a conversation still
+reads, which the server does not have); per method and C, the tokens prefilled, read and re-rotated, the waits for room, the
 conversations refused and the pool's peak; the live KV each reply attends to (mean and max: what a
 decode step reads beside the weights), in the JSON and the markdown table (per call)::
 
@@ -70,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", help="play the serving replay's load (module docstring)")
     p.add_argument("--start-turn", type=int, default=0, help="with --concurrency: the turn each conversation starts at")
     p.add_argument("--copies", action="store_true", help="with --concurrency: AKV copies every re-rotated key")
+    p.add_argument("--protect-live", action="store_true",
+                   help="with --concurrency: a request waits rather than evict KV a conversation still reads")
     p.add_argument("--methods", nargs="+", help="only these methods (by name; default: all)")
     p.add_argument("--live-budget", type=int, default=96_000,
                    help="with --concurrency: the live-token budget of akv_live_budget (a method of that mode only)")
@@ -119,7 +122,7 @@ def shared(args: argparse.Namespace, head: dict[str, Any], trajectories: list[Tr
         for method in chosen:
             started = time.monotonic()
             run = simulate_shared(trajectories, method, level, args.pool_slots, args.start_turn,
-                                  in_place=not args.copies, prices=prices)
+                                  in_place=not args.copies, prices=prices, protect_live=args.protect_live)
             total = totals(run.rows, prices)
             row = {"method": method.name, "concurrency": level, "calls": total["calls"],
                    **{k: total[k] for k in ("prompt", "prefilled", "cached", "repos", "generated", "max_live")},
@@ -141,7 +144,8 @@ def shared(args: argparse.Namespace, head: dict[str, Any], trajectories: list[Tr
                                         str(len(r["refused"])), f"{r['peak_pool_used']:,}"]) + " |")
     table = "\n".join(lines) + "\n"
     results.write({**head, "mode": "shared", "pool_slots": args.pool_slots, "start_turn": args.start_turn,
-                   "in_place": not args.copies, "trajectories": [t.stats() for t in trajectories], "rows": rows},
+                   "in_place": not args.copies, "protect_live": args.protect_live,
+                   "trajectories": [t.stats() for t in trajectories], "rows": rows},
                   args.out)
     args.out.with_suffix(".md").write_text(f"`{head['command']}`\n\n{table}", encoding="utf-8")
     print(table)

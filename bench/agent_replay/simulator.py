@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from akv.system.cache import ActiveRequest, CacheCore, CacheFull, SlotPool
+from akv.system.cache.tree import DROPPED, STALE
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
 from bench.agent_replay.methods import Method, Piece, Request
@@ -85,6 +86,10 @@ class TokenIds:
         return ids
 
 
+class LiveKvProtected(CacheFull):
+    """A :class:`Simulator` with ``protect_live`` would have to evict KV a recorded path reads."""
+
+
 @dataclass(frozen=True)
 class Call:
     """A request admitted by a :class:`Simulator` and not finished yet: its counts, the generated
@@ -99,13 +104,18 @@ class Call:
 class Simulator:
     """One server's cache (a CacheCore over `pool_slots` slots) replaying requests in order;
     `in_place`: re-rotate resident KV in its own slots where nothing else reads it, as the patched
-    server does (False: every re-rotation is a copy, as it did before in-place re-rotation)."""
+    server does (False: every re-rotation is a copy, as it did before in-place re-rotation);
+    `protect_live`: while other requests are in flight, a request waits (:meth:`admit` raises
+    :class:`LiveKvProtected`) rather than evict KV that a recorded path still reads (the tree's
+    dropped and stale versions go first, as always): an admission policy the patched server does not
+    have, to see what it would change."""
 
     def __init__(self, prices: PriceTable = PriceTable(), pool_slots: int = DEFAULT_POOL_SLOTS,
-                 in_place: bool = False) -> None:
+                 in_place: bool = False, protect_live: bool = False) -> None:
         self.prices = prices
         self.core = CacheCore(SlotPool(pool_slots))
         self.in_place = in_place
+        self.protect_live = protect_live
         self._ids: dict[str, TokenIds] = {}
 
     def run(self, request: Request, generation_tokens: int, trajectory: str = "", method: str = "",
@@ -139,8 +149,13 @@ class Simulator:
         owners = np.repeat(np.arange(n + 1, dtype=np.int64), [p.tokens for p in pieces] + [generation_tokens])
         rules = parse_rules(request.drop_message, request.reposition, n)
         program = compile_program(token_ids, owners, rules, n)
-        active = self.core.admit(program, namespace, in_place=self.in_place)
         published = reply[generation_tokens:generation_tokens + request.generated][:-1]
+        if self.protect_live and self.core.active:
+            draft = self.core.match(program, namespace, in_place=self.in_place)
+            need = draft.n_births + draft.n_copy_slots + published.size
+            if need > self.core.pool.n_free + self.spare_slots():
+                raise LiveKvProtected(f"needs {need} slots: more than the free and the unread ones")
+        active = self.core.admit(program, namespace, in_place=self.in_place)
         try:
             decoded = self.core.allocate(published.size)  # the KV its decode writes, held while in flight
         except CacheFull:
@@ -155,6 +170,13 @@ class Simulator:
                       int(plan.terminal.tokens.size), self.pool_used,
                       self.prices.cost(prefilled, read, request.generated))
         return Call(active, row, published, decoded)
+
+    def spare_slots(self) -> int:
+        """Slots eviction can free without touching KV a recorded path reads: the tree's dropped and
+        stale versions that no request references."""
+        ranks = self.core.tree.ranks()
+        spare = np.concatenate([ranks[DROPPED], ranks[STALE]])
+        return int(np.count_nonzero(self.core.pool.request_refs(spare) == 0)) if spare.size else 0
 
     def finish(self, call: Call) -> None:
         """Publish the call's prompt and generated KV (all but the last generated token) and release it."""
@@ -180,7 +202,8 @@ class SharedRun:
 
 
 def simulate_shared(trajectories: Sequence[Trajectory], method: Method, concurrency: int, pool_slots: int,
-                    start_turn: int = 0, in_place: bool = True, prices: PriceTable = PriceTable()) -> SharedRun:
+                    start_turn: int = 0, in_place: bool = True, prices: PriceTable = PriceTable(),
+                    protect_live: bool = False) -> SharedRun:
     """`concurrency` conversations on one cache of `pool_slots` slots, as the replay suite runs them:
     conversation k replays trajectory k mod len(trajectories) from `start_turn` (its first request
     prefills that turn cold and is not counted, as the suite primes), each in its own namespace (no
@@ -189,8 +212,8 @@ def simulate_shared(trajectories: Sequence[Trajectory], method: Method, concurre
     holds `concurrency` requests at once. A request the pool cannot take waits for the oldest one in
     flight to finish (counted in `waits`); one that cannot be taken with nothing else in flight is
     refused. The run ends when the first conversation runs out of requests, so every counted round
-    has all `concurrency` in flight."""
-    sim = Simulator(prices, pool_slots, in_place)
+    has all `concurrency` in flight. `protect_live`: :class:`Simulator`'s."""
+    sim = Simulator(prices, pool_slots, in_place, protect_live)
     lanes = []
     for k in range(concurrency):
         t = trajectories[k % len(trajectories)]

@@ -10,6 +10,7 @@ import pytest
 
 from akv.agent import CachePolicy, TokenReposition, TokenSelection, TokenTrigger
 from bench.agent_replay.methods import AKV, FullContext, Summarize, Trim, reference_policy
+from akv.system.cache.tree import RadixTree
 from bench.agent_replay import simulator as simulator_module
 from bench.agent_replay.simulator import PriceTable, Simulator, simulate, simulate_shared, totals
 from bench.agent_replay.trajectories import BROWSE, SWE, MessageSpec, Trajectory, generate
@@ -187,4 +188,33 @@ def test_shared_run_on_a_small_pool_waits_refuses_and_leaks_nothing(monkeypatch)
     assert _pool_after(made[-1]) == 0
     tiny = simulate_shared(trajectories, method, concurrency=2, pool_slots=1000)  # a system prompt alone is bigger
     assert sorted(tiny.refused) == ["browse-0#0", "browse-1#1"] and tiny.rows == []
+    assert _pool_after(made[-1]) == 0
+
+
+def test_protect_live_evicts_no_read_kv_while_others_are_in_flight(monkeypatch):
+    trajectories = [generate(BROWSE, seed, f"browse-{seed}", turns=10) for seed in range(3)]
+    method = AKV(reference_policy(2))
+    pool = max(sum(s.tokens for s in t.specs) for t in trajectories)  # one whole text: pressure from turn ~6
+    evictions = []  # (requests in flight, KV a path reads that the eviction released)
+    original = RadixTree.evict
+
+    def watched(tree, n_slots):
+        read = tree.ranks()[2]
+        held_before = set(tree.resident_slots().tolist())
+        freed = original(tree, n_slots)
+        gone = held_before - set(tree.resident_slots().tolist())
+        evictions.append((made[-1].core.active, len(gone & set(read.tolist()))))
+        return freed
+
+    made = []
+    monkeypatch.setattr(RadixTree, "evict", watched)
+    monkeypatch.setattr(simulator_module, "Simulator", lambda *a, **k: made.append(Simulator(*a, **k)) or made[-1])
+    plain = simulate_shared(trajectories, method, concurrency=3, pool_slots=pool)
+    assert any(active and lost for active, lost in evictions)  # the default policy does evict read KV
+    evictions.clear()
+    guarded = simulate_shared(trajectories, method, concurrency=3, pool_slots=pool, protect_live=True)
+    assert evictions and not any(active and lost for active, lost in evictions)
+    # here waiting instead of evicting also saves a conversation the default refuses, and prefill
+    assert guarded.waits > plain.waits and guarded.refused == [] and plain.refused
+    assert sum(r.prefilled for r in guarded.rows) < sum(r.prefilled for r in plain.rows)
     assert _pool_after(made[-1]) == 0
