@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from akv import cli  # noqa: E402
 from bench.harness import client, oracle, results, servers  # noqa: E402
-from bench.harness.client import read_metrics  # noqa: E402
+from bench.harness.client import read_load, read_metrics  # noqa: E402
 from bench.harness.models import make_qwen3_8b_random  # noqa: E402
 
 STRICT = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
@@ -284,8 +284,7 @@ def held_by(url: str, requests: int, timeout: float) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            with cli.open_request(f"{url}/v1/loads?include=core", timeout=5) as r:
-                load = json.loads(r.read())["loads"][0]
+            load = read_load(url, timeout=5)
             if load["num_running_reqs"] + load["num_waiting_reqs"] >= requests:
                 return True
         except (OSError, ValueError, KeyError, IndexError):
@@ -318,8 +317,7 @@ class Sampler(threading.Thread):
 
     def read(self) -> dict[str, Any]:
         metrics = read_metrics(self.url)
-        with cli.open_request(f"{self.url}/v1/loads?include=core", timeout=10) as r:
-            load = json.loads(r.read())["loads"][0]
+        load = read_load(self.url)
         row = {"t": round(time.time() - self.t0, 2), "used": load["num_used_tokens"],
                "pool": load["max_total_num_tokens"], "running": load["num_running_reqs"],
                "waiting": load["num_waiting_reqs"]}
@@ -446,34 +444,38 @@ class Soak:
                 jobs.append(Job("bad-drop-of-a-later-message", {**agents[1].body(), "drop_message": {"1": [last]}},
                                 "bad", param="drop_message"))
             jobs.append(Job(f"plain-w{turn}", sample_lane.body(plain=True), "sample"))
-            lead: list[Job] = []
+            first = None
             if context:
-                lead = [Job(f"{sample_lane.name}-t{turn - 1}-again", previous[sample_lane.name], "retry"),
-                        Job(f"context-w{turn}", sample_lane.body(), "sample")]
+                first = (Job(f"{sample_lane.name}-t{turn - 1}-again", previous[sample_lane.name], "retry"),
+                         Job(f"context-w{turn}", sample_lane.body(), "sample"))
             self.last_lanes = lanes
-            sample_cost, stuck = self.wave(turn, lead, jobs, url, reference_url, sample_cost)
+            sample_cost, stuck = self.wave(turn, jobs, url, reference_url, sample_cost, first)
             if stuck:
                 self.report["traffic_cut"] = f"stopped after wave {turn}: {stuck}"
                 break
 
-    def wave(self, turn: int, lead: list[Job], jobs: list[Job], url: str, reference_url: str,
-             sample_cost: float) -> tuple[float, str | None]:
-        """Send ``lead`` (at most the sampled lane's previous turn again, then its context request)
-        before ``jobs``: the first alone, the second ahead of the rest, which are sent at once as soon as
-        the server holds it; check every outcome, then the samples against the reference (those that fit
-        before the deadline); returns the running estimate of one sample's reference time, and why the
-        traffic cannot go on (requests timed out or the server unreachable) or None."""
+    def wave(self, turn: int, jobs: list[Job], url: str, reference_url: str, sample_cost: float,
+             first: tuple[Job, Job] | None = None) -> tuple[float, str | None]:
+        """Send ``first`` (the sampled lane's previous turn again, alone; then its context request)
+        ahead of ``jobs``, which go at once as soon as the server holds that request; check every
+        outcome, then the samples against the reference (those that fit before the deadline); returns
+        the running estimate of one sample's reference time, and why the traffic cannot go on (requests
+        timed out or the server unreachable) or None."""
         started = time.time()
         self.marks.append((started - self.sampler.t0, f"w{turn}"))
         timeout = max(5.0, min(self.scale.wave_timeout_s, self.left() - FINAL_RESERVE_S))
-        outcomes = [send(url, job, self.scale.max_tokens, timeout) for job in lead[:1]]
+        outcomes = []
         with ThreadPoolExecutor(max_workers=len(jobs) + 1) as pool:
-            ahead = [pool.submit(send, url, job, self.scale.max_tokens, timeout) for job in lead[1:]]
-            if ahead:
+            if first is not None:
+                again, context = first
+                outcomes.append(send(url, again, self.scale.max_tokens, timeout))
+                ahead = pool.submit(send, url, context, self.scale.max_tokens, timeout)
                 held_by(url, 1, timeout=10.0)
             rest = list(pool.map(lambda job: send(url, job, self.scale.max_tokens, timeout), jobs))
-            outcomes += [f.result() for f in ahead] + rest
-        jobs = lead + jobs
+            if first is not None:
+                outcomes.append(ahead.result())
+            outcomes += rest
+        jobs = [*(first or ()), *jobs]
         failures = [p for job, outcome in zip(jobs, outcomes) for p in problems(outcome, job)]
         samples: dict[str, Any] = {}
         for job, outcome in zip(jobs, outcomes):

@@ -143,14 +143,10 @@ def flush(url: str) -> bool:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        cells = []
-        for key, _ in COLUMNS:
-            value = row.get(key)
-            cells.append("-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    def cell(value: Any) -> str:
+        return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    return results.markdown_table([h for _, h in COLUMNS], ([cell(row.get(key)) for key, _ in COLUMNS] for row in rows))
 
 
 def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Method, level: int,

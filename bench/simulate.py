@@ -16,9 +16,10 @@ With ``--concurrency C ...`` it plays instead the serving replay's load on one s
 trajectories from ``--start-turn``, C requests in flight on ``--pool-slots`` slots, AKV re-rotating
 in place as the patched server does (``--copies``: every re-rotation a copy, as before in-place
 re-rotation; ``--protect-live``: an admission that waits rather than evict KV a conversation still
-reads, which the server does not have); per method and C, the tokens prefilled, read and re-rotated, the waits for room, the
-conversations refused and the pool's peak; the live KV each reply attends to (mean and max: what a
-decode step reads beside the weights), in the JSON and the markdown table (per call)::
+reads, which the server does not have); per method and C, the tokens prefilled, read and
+re-rotated, the waits for room, the conversations refused and the pool's peak; the live KV each reply
+attends to (mean and max: what a decode step reads beside the weights), in the JSON and the markdown
+table (per call)::
 
     python bench/simulate.py --preset browse --count 8 --start-turn 12 --pool-slots 600000 \
         --concurrency 4 8 16 --out bench/results/simulate-shared-browse.json"""
@@ -42,7 +43,8 @@ from bench.agent_replay.methods import AKV, FullContext, Summarize, Trim, refere
 from bench.agent_replay.plots import line_panels, stacked_bars  # noqa: E402
 from bench.agent_replay.simulator import (  # noqa: E402
     COUNTS, DEFAULT_POOL_SLOTS, CallRow, PriceTable, run_all, simulate_shared, totals)
-from bench.agent_replay.trajectories import PRESETS, Trajectory, default_set, generate, load_demo_run, load_jsonl  # noqa: E402
+from bench.agent_replay.trajectories import (  # noqa: E402
+    PRESETS, Trajectory, default_set, generate, load_demo_run, load_jsonl)
 from bench.harness import results  # noqa: E402
 
 BASELINE = "standard"
@@ -135,14 +137,10 @@ def shared(args: argparse.Namespace, head: dict[str, Any], trajectories: list[Tr
                   flush=True)
     head_cells = ("method", "conc.", "calls", "prefilled per call", "read per call", "mean live", "max live",
                   "waits", "refused", "pool peak")
-    lines = ["| " + " | ".join(head_cells) + " |", "|" + "---|" * len(head_cells)]
-    for r in rows:
-        calls = max(1, r["calls"])
-        lines.append("| " + " | ".join([r["method"], str(r["concurrency"]), str(r["calls"]),
-                                        f"{r['prefilled'] // calls:,}", f"{(r['cached'] + r['repos']) // calls:,}",
-                                        f"{r['mean_live']:,}", f"{r['max_live']:,}", str(r["waits"]),
-                                        str(len(r["refused"])), f"{r['peak_pool_used']:,}"]) + " |")
-    table = "\n".join(lines) + "\n"
+    table = results.markdown_table(head_cells, (
+        [r["method"], str(r["concurrency"]), str(r["calls"]), f"{r['prefilled'] // max(1, r['calls']):,}",
+         f"{(r['cached'] + r['repos']) // max(1, r['calls']):,}", f"{r['mean_live']:,}", f"{r['max_live']:,}",
+         str(r["waits"]), str(len(r["refused"])), f"{r['peak_pool_used']:,}"] for r in rows))
     results.write({**head, "mode": "shared", "pool_slots": args.pool_slots, "start_turn": args.start_turn,
                    "in_place": not args.copies, "protect_live": args.protect_live,
                    "trajectories": [t.stats() for t in trajectories], "rows": rows},
@@ -180,15 +178,12 @@ def _versus(saving: float | None) -> str:
 def markdown(overall: dict[str, dict[str, Any]]) -> str:
     head = ("method", "calls", "prefilled", "cached", "re-rotated", "skipped", "generated", "max live", "max KV slots",
             "cost $", "vs standard", "cache-read share", "prefill share", "output share")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m, t in overall.items():
-        saving = t["saving_vs_standard"]
-        cells = [m, str(t["calls"]), *(f"{t[k]:,}" for k in ("prefilled", "cached", "repos", "skipped", "generated",
-                                                             "max_live", "max_pool_used")),
-                 f"{t['cost']:.3f}", _versus(saving),
-                 f"{t['cache_read_share']:.1%}", f"{t['prefill_share']:.1%}", f"{t['output_share']:.1%}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return results.markdown_table(head, (
+        [m, str(t["calls"]), *(f"{t[k]:,}" for k in ("prefilled", "cached", "repos", "skipped", "generated",
+                                                     "max_live", "max_pool_used")),
+         f"{t['cost']:.3f}", _versus(t["saving_vs_standard"]),
+         f"{t['cache_read_share']:.1%}", f"{t['prefill_share']:.1%}", f"{t['output_share']:.1%}"]
+        for m, t in overall.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,12 +150,11 @@ class Simulator:
         rules = parse_rules(request.drop_message, request.reposition, n)
         program = compile_program(token_ids, owners, rules, n)
         published = reply[generation_tokens:generation_tokens + request.generated][:-1]
-        if self.protect_live and self.core.active:
-            draft = self.core.match(program, namespace, in_place=self.in_place)
-            need = draft.n_births + draft.n_copy_slots + published.size
-            if need > self.core.pool.n_free + self.spare_slots():
-                raise LiveKvProtected(f"needs {need} slots: more than the free and the unread ones")
-        active = self.core.admit(program, namespace, in_place=self.in_place)
+        draft = self.core.match(program, namespace, in_place=self.in_place)
+        need = draft.n_births + draft.n_copy_slots + published.size
+        if self.protect_live and self.core.active and need > self.core.pool.n_free + self.spare_slots():
+            raise LiveKvProtected(f"needs {need} slots: more than the free and the unread ones")
+        active = self.core.admit_draft(draft)
         try:
             decoded = self.core.allocate(published.size)  # the KV its decode writes, held while in flight
         except CacheFull:
@@ -227,18 +226,10 @@ def simulate_shared(trajectories: Sequence[Trajectory], method: Method, concurre
                 continue
             if k in flight:
                 sim.finish(flight.pop(k))
-            while True:
-                try:
-                    call = sim.admit(requests[step], t.generation_tokens, name, method.name, namespace=name)
-                    break
-                except CacheFull:
-                    if not flight:
-                        refused.append(name)
-                        call = None
-                        break
-                    sim.finish(flight.pop(next(iter(flight))))
-                    waits += 1
+            call, waited = _admit_or_wait(sim, flight, requests[step], t.generation_tokens, name, method.name)
+            waits += waited
             if call is None:
+                refused.append(name)
                 continue
             flight[k] = call
             peak = max(peak, sim.pool_used)
@@ -247,6 +238,21 @@ def simulate_shared(trajectories: Sequence[Trajectory], method: Method, concurre
     for call in flight.values():
         sim.finish(call)
     return SharedRun(rows, waits, refused, peak)
+
+
+def _admit_or_wait(sim: Simulator, flight: dict[int, Call], request: Request, generation_tokens: int,
+                   conversation: str, method: str) -> tuple[Call | None, int]:
+    """Admit `request`, finishing the oldest request in `flight` each time the pool cannot take it;
+    the call (None: not even with nothing in flight) and how many times it waited."""
+    waits = 0
+    while True:
+        try:
+            return sim.admit(request, generation_tokens, conversation, method, namespace=conversation), waits
+        except CacheFull:
+            if not flight:
+                return None, waits
+            sim.finish(flight.pop(next(iter(flight))))
+            waits += 1
 
 
 def totals(rows: Iterable[CallRow], prices: PriceTable) -> dict[str, float | int]:

@@ -5,6 +5,7 @@ context request's server time from them), its cache flush and its load. A failed
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +51,13 @@ def read_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
             name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("sglang:")
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def read_load(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The server's own load (``/v1/loads?include=core``, its first entry): used and pool tokens,
+    running and waiting requests."""
+    with cli.open_request(f"{url}/v1/loads?include=core", timeout=timeout) as response:
+        return json.loads(response.read())["loads"][0]
 
 
 AKV_COUNTERS = ("context_requests", "admission_seconds", "kernel_first_launches", "prefill_forwards",

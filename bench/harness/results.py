@@ -77,3 +77,10 @@ def refuse_existing(parser: Any, path: Path) -> None:
     """A parser error where ``path`` exists: results are never replaced."""
     if path.exists():
         parser.error(f"{path} exists; results are never replaced: give a new --out")
+
+
+def markdown_table(head: Any, rows: Any) -> str:
+    """A markdown table: the ``head`` cells, then one line per row of cells (strings)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"

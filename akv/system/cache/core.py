@@ -194,7 +194,10 @@ class CacheCore:
               in_place: bool = False) -> ActiveRequest:
         """Match, commit and allocate every birth (``compact`` / ``in_place``: as :meth:`match`). The
         returned plan has only real slots, and its ``fresh`` lists the copy slots and the births."""
-        draft = self.match(program, namespace, compact=compact, in_place=in_place)
+        return self.admit_draft(self.match(program, namespace, compact=compact, in_place=in_place))
+
+    def admit_draft(self, draft: Draft) -> ActiveRequest:
+        """:meth:`admit` of a draft :meth:`match` planned against the tree as it still is."""
         return self._commit(draft, False, with_births=True)
 
     def allocate(self, n: int) -> np.ndarray:
