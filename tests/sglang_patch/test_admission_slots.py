@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from akv.system.adapter.context_request import AkvRequest
-from akv.system.adapter.scheduling import attach
+from akv.system.adapter.scheduling import attach, cap_extend
 from akv.system.cache.core import CacheCore
 from akv.system.cache.occurrence import cold_plan
 from akv.system.cache.pool import SlotPool
 from akv.system.context.wire import encode_program
-from tests.cache.brute import Interner, SimulatedKV, brute_layout, brute_needed
+from tests.cache.brute import Interner, SimulatedKV, Trace, brute_layout, brute_needed
 from tests.cache.conversations import conversations
 
 SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64, disaggregation_mode="null")
@@ -53,6 +53,50 @@ def test_attach_refuses_and_clips_by_the_tokens_an_empty_cache_computes(conv, sp
         assert plan.n_slots == need and plan.n_copy_slots == 0 and need <= cold_plan(program).n_slots
 
 
+def _rounds(state: AkvRequest, n_tokens: int) -> list[list[int]]:
+    """The segments (indices) of each prefill round the scheduler's hook cuts, chunk budget unlimited."""
+    segments = state.plan_draft_segments()
+    req = SimpleNamespace(akv=state, full_untruncated_fill_ids=[0] * n_tokens)
+    req.set_extend_range = lambda lo, hi: setattr(req, "extend_range", SimpleNamespace(start=lo, end=hi))
+    rounds, i = [], 0
+    while i < len(segments):
+        req.set_extend_range(segments[i].start, n_tokens)
+        cap_extend(req)
+        j = i
+        while j < len(segments) and segments[j].start < req.extend_range.end:
+            j += 1
+        assert segments[j - 1].end == req.extend_range.end, "a round ends at a segment's end"
+        rounds.append(list(range(i, j)))
+        i = j
+    return rounds
+
+
+def _execute_in_rounds(kv: SimulatedKV, plan, rounds: list[list[int]], brute, pool: SlotPool) -> set[int]:
+    """Run ``plan`` on the brute-force KV as the patched server runs each round in one forward (per
+    layer: every segment's new KV written, then every copy, then each segment's attention), asserting
+    every read; the slots it touched."""
+    trace = Trace()
+    private = set(plan.fresh.tolist()) | {int(d) for j in plan.copies for s, d in zip(j.src, j.dst) if s == d}
+    for indices in rounds:
+        segments = [plan.segments[i] for i in indices]
+        for segment in segments:
+            for i, q in enumerate(range(segment.start, segment.end)):
+                kv._write(int(segment.slots[i]), (brute.names[q], brute.birth[q]), pool, trace, private)
+        for segment in segments:
+            kv._copy(segment.copies, brute, pool, trace, private)
+        for segment in segments:
+            indptr, indices_ = segment.visible_slots()
+            for i, q in enumerate(range(segment.start, segment.end)):
+                row = indices_[indptr[i] : indptr[i + 1]].tolist()
+                labels = {kv._read(slot, pool) for slot in row}
+                assert len(labels) == len(row) and labels == brute.reads[q], f"query {q} of a round reads {labels}"
+                trace.read_from.setdefault(q, set()).update(row)
+    kv._copy(plan.terminal.copies, brute, pool, trace, private)
+    labels = [kv._read(slot, pool) for slot in plan.terminal.slots.tolist()]
+    assert dict(zip(plan.terminal.tokens.tolist(), labels)) == brute.terminal
+    return trace.written | set(plan.terminal.slots.tolist()) | {s for slots in trace.read_from.values() for s in slots}
+
+
 @st.composite
 def served_turns(draw: st.DrawFn) -> tuple[list, list[tuple[int, int]], int]:
     """Two conversations (the second a branch of the first) turn by turn in a random order, each turn
@@ -73,8 +117,10 @@ def test_a_request_alone_on_the_server_always_fits_what_attach_promised(case) ->
     evictions): each turn attach accepts is planned with the room its clipped new tokens leave; its
     commit and births never run out of slots (the tree is evicted for them), its new tokens fit after,
     the slots it touches (borrowed, copies, births, counted by the brute-force run) stay within the
-    room, every read holds the KV the brute force names, and it copies births only where the
-    one-forward plan would not fit."""
+    room, and it copies births only where the one-forward plan would not fit. Run round by round as
+    the scheduler's hook cuts them, each round one forward (its births, then its copies, then its
+    attention), every read holds the KV the brute force names: a birth is re-rotated in place only in
+    a later forward than every segment that reads it at its old position."""
     turns, size = case
     kv = SimulatedKV()
     pool = SlotPool(size, on_free=kv.forget)
@@ -91,10 +137,9 @@ def test_a_request_alone_on_the_server_always_fits_what_attach_promised(case) ->
         state = req.akv
         draft = state.plan_draft(core, room=room)
         one_forward = core.match(program, in_place=True)
+        rounds = _rounds(state, program.n_tokens)
         request = core.admit_draft(draft)
-        trace = kv.execute(request.plan, brute_layout(program, intern), pool,
-                           rewritable={int(d) for j in request.plan.copies for s, d in zip(j.src, j.dst) if s == d})
-        touched = trace.written | {s for slots in trace.read_from.values() for s in slots}
+        touched = _execute_in_rounds(kv, request.plan, rounds, brute_layout(program, intern), pool)
         assert len(touched) <= room, (len(touched), room)
         new_slots = core.allocate(granted)  # decode's slots: the pool leaves them
         pool.decref(new_slots)
