@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
