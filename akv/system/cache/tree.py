@@ -90,6 +90,8 @@ class RadixTree:
         self._leaves: list[tuple[int, int, TreeNode]] = []
         self._dirty: set[TreeNode] = set()
         self._ranked: tuple[set[TreeNode], set[TreeNode]] = (set(), set())
+        self._refreshes = 0
+        self._spare: tuple[tuple[int, int], int] | None = None
         self.epoch = 0
 
     @property
@@ -281,8 +283,26 @@ class RadixTree:
         out[2] = np.setdiff1d(self.resident_slots(), np.concatenate([out[DROPPED], out[STALE]]))
         return out
 
+    def n_spare(self) -> int:
+        """Slots that evicting the :data:`DROPPED` and :data:`STALE` ranks frees now, before any
+        version a recorded path reads: distinct slots no request references, each of whose tree
+        references is such a version. Cached until a reference or a rank changes."""
+        self._refresh()
+        key = (self.pool.changes, self._refreshes)
+        if self._spare is None or self._spare[0] != key:
+            parts = []
+            for node in self._ranked[DROPPED] | self._ranked[STALE]:
+                dropped, stale = node.ranked()
+                parts.append(node.slots[dropped | stale])
+            slots, listed = np.unique(np.concatenate(parts or [np.zeros(0, np.int64)]), return_counts=True)
+            spare = (self.pool.request_refs(slots) == 0) & (self.pool.tree_refs(slots) == listed)
+            self._spare = (key, int(np.count_nonzero(spare)))
+        return self._spare[1]
+
     def _refresh(self) -> None:
         """Re-rank the nodes whose versions or read counts changed since the last eviction."""
+        if self._dirty:
+            self._refreshes += 1
         for node in self._dirty:
             masks = node.ranked() if node.attached else None
             for rank in (DROPPED, STALE):
