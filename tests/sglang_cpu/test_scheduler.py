@@ -302,9 +302,9 @@ def rounds_pressure_runs(patched_site: Path, tiny_qwen3: Path) -> dict[str, tupl
 
 @pytest.fixture(scope="module")
 def near_the_pool_runs(patched_site: Path, tiny_qwen3: Path) -> dict[int | str, tuple[list, dict]]:
-    """Each copy count's waves and report, and the protect-live scenario's without the flag, one
-    audited scheduler for all, flushed between parts."""
-    waves = [scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES] + [scenarios.protect_live_waves()]
+    """Each copy count's waves and report, and the protect-live scenario's without the flag (up to B's
+    and P's next turns), one audited scheduler for all, flushed between parts."""
+    waves = [scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES] + [scenarios.protect_live_waves()[:4]]
     reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128,
                           max_total_tokens=NEAR_POOL, audit=True)
     return dict(zip([*NEAR_COPIES, "protect-live-off"], zip(waves, reports, strict=True), strict=True))

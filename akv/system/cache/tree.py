@@ -300,7 +300,7 @@ class RadixTree:
         return self._spare[1]
 
     def _refresh(self) -> None:
-        """Re-rank the nodes whose versions or read counts changed since the last eviction."""
+        """Re-rank the nodes whose versions or read counts changed since the last eviction or count."""
         if self._dirty:
             self._refreshes += 1
         for node in self._dirty:
