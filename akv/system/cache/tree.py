@@ -90,6 +90,7 @@ class RadixTree:
         self._leaves: list[tuple[int, int, TreeNode]] = []
         self._dirty: set[TreeNode] = set()
         self._ranked: tuple[set[TreeNode], set[TreeNode]] = (set(), set())
+        self._unread: dict[TreeNode, np.ndarray] = {}  # slots of each ranked node's DROPPED and STALE versions
         self._refreshes = 0
         self._spare: tuple[tuple[int, int], int] | None = None
         self.epoch = 0
@@ -290,13 +291,12 @@ class RadixTree:
         self._refresh()
         key = (self.pool.changes, self._refreshes)
         if self._spare is None or self._spare[0] != key:
-            parts = []
-            for node in self._ranked[DROPPED] | self._ranked[STALE]:
-                dropped, stale = node.ranked()
-                parts.append(node.slots[dropped | stale])
-            slots, listed = np.unique(np.concatenate(parts or [np.zeros(0, np.int64)]), return_counts=True)
-            spare = (self.pool.request_refs(slots) == 0) & (self.pool.tree_refs(slots) == listed)
-            self._spare = (key, int(np.count_nonzero(spare)))
+            slots = np.concatenate(list(self._unread.values()) or [np.zeros(0, np.int64)])
+            single = self.pool.tree_refs(slots) == 1  # the usual case: this version is the slot's one tree reference
+            n = int(np.count_nonzero(single & (self.pool.request_refs(slots) == 0)))
+            shared, listed = np.unique(slots[~single], return_counts=True)
+            n += int(np.count_nonzero((self.pool.tree_refs(shared) == listed) & (self.pool.request_refs(shared) == 0)))
+            self._spare = (key, n)
         return self._spare[1]
 
     def _refresh(self) -> None:
@@ -310,6 +310,10 @@ class RadixTree:
                     self._ranked[rank].add(node)
                 else:
                     self._ranked[rank].discard(node)
+            if node in self._ranked[DROPPED] or node in self._ranked[STALE]:
+                self._unread[node] = node.slots[masks[DROPPED] | masks[STALE]]
+            else:
+                self._unread.pop(node, None)
         self._dirty.clear()
 
     def _end_path(self, leaf: TreeNode, terminal: np.ndarray) -> None:
@@ -375,6 +379,7 @@ class RadixTree:
         self._roots.clear()
         self._leaves.clear()
         self._dirty.clear()
+        self._unread.clear()
         for ranked in self._ranked:
             ranked.clear()
         self._n_nodes = 0
@@ -489,6 +494,7 @@ class RadixTree:
             count = self.pool.tree_decref(node.slots[held])
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
+            self._dirty.add(node)
         self._prune(node)
         return count
 
