@@ -24,7 +24,8 @@ server is not started), AKV_REPLAY_THRESHOLDS
 suite's planned wall time, server starts included), AKV_REPLAY_DEADLINE_S (470: no run that would
 end later starts), AKV_REPLAY_SERVERS (together | in-turn), AKV_REPLAY_MEM_FRACTION,
 AKV_REPLAY_POOL_TOKENS, AKV_REPLAY_BACKEND (flashinfer) and AKV_REPLAY_AKV_BACKEND (default: the same),
-AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_TURNS (0: the preset's), AKV_REPLAY_LIVE_BUDGET (96000: for
+AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PROTECT_LIVE (0; 1: the patched server runs with
+--akv-protect-live), AKV_REPLAY_TURNS (0: the preset's), AKV_REPLAY_LIVE_BUDGET (96000: for
 akv_live_budget), AKV_REPLAY_MAX_RUNNING (0: SGLang's), AKV_REPLAY_PRIME (1: measure from the second request of each
 conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
 socket operation), AKV_REPLAY_OUT (default $OUT).
@@ -133,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-graphs", action="store_true", default=os.environ.get("AKV_REPLAY_PREFILL_GRAPHS") == "1",
                    help="keep SGLang's prefill CUDA graphs (default off for both servers: the patched server runs "
                         "context rounds without them, and their capture adds about 30 s to each start)")
+    p.add_argument("--protect-live", action="store_true", default=os.environ.get("AKV_REPLAY_PROTECT_LIVE") == "1",
+                   help="start the patched server with --akv-protect-live (admission waits rather than evict live KV)")
     p.add_argument("--timeout", type=float, default=float(env("AKV_REPLAY_TIMEOUT_S", "240")),
                    help="seconds per socket operation of a request")
     p.add_argument("--ready-timeout", type=float, default=float(env("AKV_REPLAY_READY_TIMEOUT_S", "420")))
@@ -228,7 +231,8 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
                              args.backend], {**base, "PYTHONUNBUFFERED": "1", "PYTHONPATH": stock_path}, args.port,
                    args.logs / "server-stock.log"),
             Server("patched", [sys.executable, "-m", "akv.system.launch_server", *model, *flags, "--attention-backend",
-                               args.akv_backend], {**base, "PYTHONUNBUFFERED": "1", "PYTHONPATH": patched_path},
+                               args.akv_backend, *(["--akv-protect-live"] if args.protect_live else [])],
+                   {**base, "PYTHONUNBUFFERED": "1", "PYTHONPATH": patched_path},
                    args.port + 1, args.logs / "server-patched.log")]
 
 
@@ -385,7 +389,8 @@ def main(argv: list[str] | None = None, attached: dict[str, Server] | None = Non
     machine = "CPU dry run, tiny random Qwen3 (FP32)" if args.dry_run else "H200, Qwen3-8B shape, dummy weights, bf16"
     label = (f"{machine}"
              f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
-             f"({args.akv_backend} attention) for AKV, {args.servers}; thresholds {args.thresholds}, keep "
+             f"({args.akv_backend} attention{', --akv-protect-live' if args.protect_live else ''}) for AKV, "
+             f"{args.servers}; thresholds {args.thresholds}, keep "
              f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}"
              f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
              f"{args.max_output_tokens or 'none'}")

@@ -12,6 +12,15 @@ A PD server (``--disaggregation-mode prefill|decode`` over Mooncake) loads Moonc
 first and, when it cannot, says in one line what is missing; a decode server keeps the cache SGLang
 gives it (no ``--radix-cache-backend akv``). PD servers serve plain requests only (context requests
 are refused until AKV's PD hooks exist: README, PD section).
+
+AKV's own switch, taken out before SGLang parses the rest and passed to the server's processes as
+``AKV_PROTECT_LIVE=1``: ``--akv-protect-live`` (off by default). While requests are in flight, a
+request waits in the queue rather than evict KV that a conversation still reads (only KV of dropped
+messages and stale positions that no request holds counts as evictable to admission, and eviction
+frees only what an allocation lacks); an idle server admits as without it. Opt-in until it is measured
+on a GPU: the replay simulator (``bench/simulate.py --protect-live``) shows it removes the collapse of
+a pool that cannot hold every conversation's live KV plus the requests in flight (browse at
+concurrency 16 on a 600k pool: 111k tokens prefilled per call without it, 3.9k with it).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from akv import __version__ as akv_version
+from akv.system.adapter import live_guard
 from akv.system.adapter.serving import ATTENTION_BACKENDS, REQUIRED_PAGE_SIZE, REQUIRED_RADIX_CACHE_BACKEND
 
 PATCHED_SUFFIX = "+akv"
@@ -54,6 +64,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 AKV_SWITCHES: tuple[str, ...] = ("--disable-hybrid-swa-memory",)
 """Switches added when absent. Hybrid SWA memory (gpt-oss's default) frees the KV of sliding-layer
 keys that left the window, which a Drop brings back into it."""
+
+AKV_OWN_SWITCHES: dict[str, str] = {live_guard.FLAG: live_guard.ENV}
+"""AKV's switches (SGLang does not know them): taken out of the flags, each sets its environment
+variable to ``1`` for the server's processes (:func:`take_akv_switches`)."""
 
 DECODE_RADIX_CACHE = ("--radix-cache-backend conflicts with --disaggregation-mode decode: a decode server keeps "
                       "SGLang's own cache (it receives KV and computes no prompt; leave the flag out)")
@@ -147,6 +161,25 @@ def check_patched(version: str | None) -> None:
             f"the installed sglang {version} is not the AKV build (version must end with {PATCHED_SUFFIX!r}); "
             f"build and install it with: {BUILD_COMMAND}"
         )
+
+
+def take_akv_switches(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``argv`` without AKV's own switches, and the environment they set; LaunchError for a switch
+    given a value, or given to a PD decode server (it keeps SGLang's cache, not AKV's)."""
+    rest: list[str] = []
+    env: dict[str, str] = {}
+    for arg in argv:
+        flag, sep, value = arg.partition("=")
+        if flag not in AKV_OWN_SWITCHES:
+            rest.append(arg)
+            continue
+        if sep:
+            raise LaunchError(f"{flag} is a switch and takes no value, got {value!r}")
+        env[AKV_OWN_SWITCHES[flag]] = "1"
+    if env and _flag_value(rest, "--disaggregation-mode") == "decode":
+        raise LaunchError(f"{', '.join(f for f in AKV_OWN_SWITCHES if f in argv)} conflicts with --disaggregation-mode "
+                          "decode: a decode server keeps SGLang's own cache (leave the flag out)")
+    return rest, env
 
 
 def apply_akv_defaults(argv: list[str], machine: Machine | None = None) -> list[str]:
@@ -265,7 +298,8 @@ def usage(version: str | None) -> str:
     added = ", ".join(f"{flag} {value}" for flag, value in AKV_DEFAULTS.items() if flag != "--attention-backend")
     sglang = ("SGLang's flags follow (python -m sglang.launch_server --help)." if version is not None else
               f"SGLang is not installed, so its flags are not listed; install with: {INSTALL_COMMAND}")
-    return (f"usage: akv-server [SGLang flags] (or python -m akv.system.launch_server)\n\n{__doc__.strip()}\n\n"
+    return (f"usage: akv-server [{' '.join(AKV_OWN_SWITCHES)}] [SGLang flags] (or python -m akv.system.launch_server)"
+            f"\n\n{__doc__.strip()}\n\n"
             f"Added unless given (default: {added}, {' '.join(AKV_SWITCHES)}, --attention-backend "
             f"flashinfer on CUDA with FlashInfer installed, else triton; on this machine "
             f"{default_attention_backend([], Machine.detect())}).\n{sglang}\n")
@@ -283,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     try:
         check_patched(version)
+        args, akv_env = take_akv_switches(args)
         args = apply_akv_defaults(args)
     except LaunchError as exc:
         print(f"akv.system.launch_server: {exc}", file=sys.stderr)
@@ -299,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"akv.system.launch_server: {exc}", file=sys.stderr)
         return 2
+    os.environ.update(akv_env)
 
     from sglang.launch_server import run_server
     from sglang.srt.utils import kill_process_tree

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from akv.system.cache import ActiveRequest, CacheCore, CacheFull, SlotPool
-from akv.system.cache.tree import DROPPED, STALE
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
 from bench.agent_replay.methods import Method, Piece, Request
@@ -172,10 +171,9 @@ class Simulator:
 
     def spare_slots(self) -> int:
         """Slots eviction can free without touching KV a recorded path reads: the tree's dropped and
-        stale versions that no request references."""
-        ranks = self.core.tree.ranks()
-        spare = np.concatenate([ranks[DROPPED], ranks[STALE]])
-        return int(np.count_nonzero(self.core.pool.request_refs(spare) == 0)) if spare.size else 0
+        stale versions that no request references (what the patched server's ``--akv-protect-live``
+        admission counts, :meth:`akv.system.cache.tree.RadixTree.n_spare`)."""
+        return self.core.tree.n_spare()
 
     def finish(self, call: Call) -> None:
         """Publish the call's prompt and generated KV (all but the last generated token) and release it."""

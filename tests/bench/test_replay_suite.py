@@ -47,3 +47,15 @@ def test_markdown_shows_the_patched_servers_time_per_context_request():
         "forwards": 1.0, "kernel_first_launches": 0.0})
     result = {"command": "c", "label": "l", "rows": [timed], "ratios": [], "best": {}}
     assert "| akv_keep12 | 4 | 20 | 12.5 | 3.0 | 0.0 | 80.2 | 4.0 | 1.5 | 1.00 |" in report.markdown(result)
+
+
+def test_protect_live_starts_the_patched_server_with_the_flag(tmp_path, monkeypatch):
+    """``AKV_REPLAY_PROTECT_LIVE=1`` (or ``--protect-live``) adds ``--akv-protect-live`` to the patched
+    server's command line only; without it neither server gets it."""
+    from bench import replay_suite
+
+    for env, flags, wanted in (("", [], False), ("1", [], True), ("", ["--protect-live"], True)):
+        monkeypatch.setenv("AKV_REPLAY_PROTECT_LIVE", env)
+        stock, patched = replay_suite.make_servers(replay_suite.parse_args(["--dry-run", "--out", str(tmp_path / "o"),
+                                                                             *flags]))
+        assert ("--akv-protect-live" in patched.argv) == wanted and "--akv-protect-live" not in stock.argv

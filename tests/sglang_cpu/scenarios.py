@@ -311,6 +311,36 @@ def copies_beyond_the_pool_waves() -> list[list[Request]]:
     return [[first], [conv.request("beyond-next", max_new=6)]]
 
 
+
+def next_turn(conv: Conversation, first: Request, *lengths: int) -> Conversation:
+    """``conv`` after ``first`` (one generated token, so nothing generated is cached): its generation
+    prompt kept as a message, then new messages of ``lengths`` tokens."""
+    after = conv.copy()
+    after.messages.append(list(first.ids[-GEN_PROMPT:]))
+    return after.add(*lengths)
+
+
+def protect_live_waves() -> list[list[Request]]:
+    """For ``--akv-protect-live`` on a 200-slot pool (chunk budget 128). A context conversation B (24
+    tokens) and a plain one P (16) leave their live KV in the tree. Then together: A, a context
+    request of 83 tokens whose drop at its last message hides message 1 (60 tokens, computed: message
+    2 reads it) from its generation prompt on, 8 new tokens; and C, a context request of 90 tokens.
+    A and C need 173 slots at once, 13 more than are free: without the flag C is admitted beside A
+    and evicts B's and P's live KV; with it C waits until A finishes, and then A's 60 dropped
+    slots (freed first) make its room. Then B's and P's next turns, then a queue whose head D (120
+    tokens) fits only by evicting live KV (every conversation's KV is live by then), followed by E."""
+    b = Conversation(110).add(13, 8)
+    b1 = b.request("live-b-1", max_new=1)
+    p = Conversation(111).add(13)
+    p1 = p.request("live-p-1", plain=True, max_new=1)
+    dropping = Conversation(112).add(10, 60, 10).drop(1).request("live-a", max_new=8)
+    cold = Conversation(113).add(87).request("live-c", max_new=4)
+    turns = [next_turn(b, b1, 7).request("live-b-2"), next_turn(p, p1, 5).request("live-p-2", plain=True)]
+    queue = [Conversation(114).add(117).request("live-d", plain=True),
+             Conversation(115).add(7).request("live-e", plain=True)]
+    return [[b1], [p1], [dropping, cold], turns, queue]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)

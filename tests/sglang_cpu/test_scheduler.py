@@ -303,13 +303,24 @@ def rounds_pressure_runs(patched_site: Path, tiny_qwen3: Path) -> dict[str, tupl
 
 @pytest.fixture(scope="module")
 def near_the_pool_runs(patched_site: Path, tiny_qwen3: Path) -> dict[int | str, tuple[list, dict]]:
-    """Each copy count's waves and report, and the turns whose copies exceed the pool (``"beyond"``),
-    one audited scheduler for all, flushed between parts."""
-    keys = [*NEAR_COPIES, "beyond"]
-    waves = [scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES] + [scenarios.copies_beyond_the_pool_waves()]
+    """Each copy count's waves and report, the turns whose copies exceed the pool (``"beyond"``), and
+    the protect-live scenario's without the flag (up to B's and P's next turns), one audited scheduler
+    for all, flushed between parts."""
+    keys = [*NEAR_COPIES, "beyond", "protect-live-off"]
+    waves = ([scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES] + [scenarios.copies_beyond_the_pool_waves()]
+             + [scenarios.protect_live_waves()[:4]])
     reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128,
                           max_total_tokens=NEAR_POOL, audit=True)
     return dict(zip(keys, zip(waves, reports, strict=True), strict=True))
+
+
+@pytest.fixture(scope="module")
+def protect_live_run(patched_site: Path, tiny_qwen3: Path) -> tuple[list, dict]:
+    """The protect-live scenario on a scheduler started with ``--akv-protect-live`` (as the launcher
+    passes it: ``AKV_PROTECT_LIVE=1``), otherwise as ``near_the_pool_runs``'."""
+    waves = scenarios.protect_live_waves()
+    return waves, serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=NEAR_POOL,
+                        audit=True, env={"AKV_PROTECT_LIVE": "1"})
 
 
 @pytest.mark.parametrize("mix", ROUNDS_MIXES)
@@ -368,6 +379,67 @@ def test_turns_whose_copies_exceed_the_pool_are_served_exactly(
     (line,) = [line for line in report["prefills"] if line["rid"] == cold.rid]
     assert line["copy_slots"] == 0 and line["in_place"] == 3 * 30, line  # messages 2..4 moved up by one message
     assert report["audit"]["context_plans"] == 2
+    assert_pool_back(report)
+
+
+def _forwards_of(report: dict, rid: str) -> list[int]:
+    return [i for i, batch in enumerate(report["batches"]) if rid in batch]
+
+
+def _kv_held(request: Request, dropped: int = 0) -> int:
+    """Slots a finished request leaves in the tree for its conversation: its text and every generated
+    token fed back (all but the last), less the tokens of messages it dropped."""
+    return len(request.ids) + request.max_new - 1 - dropped
+
+
+PROTECT_LIVE_DROPPED = 60  # message 1 of live-a, hidden from its generation prompt on
+
+
+def test_without_protect_live_a_request_beside_a_running_one_evicts_live_kv(
+        near_the_pool_runs: dict[int | str, tuple[list, dict]], oracle_model: ReferenceModel) -> None:
+    """The default admission: C, admitted in A's pass, counts B's and P's resident live KV as
+    evictable, and their next turns find less of it cached than they left (every request exact)."""
+    waves, report = near_the_pool_runs["protect-live-off"]
+    results = report["results"]
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, results[request.rid])
+    assert set(_forwards_of(report, "live-a")) & set(_forwards_of(report, "live-c")), "C ran beside A"
+    b1, p1 = waves[0][0], waves[1][0]
+    assert results["live-b-2"]["cached_tokens"] < len(b1.ids), results["live-b-2"]
+    assert results["live-p-2"]["cached_tokens"] < len(p1.ids), results["live-p-2"]
+    assert_pool_back(report)
+
+
+def test_protect_live_waits_for_dropped_kv_instead_of_evicting_live_kv(
+        protect_live_run: tuple[list, dict], oracle_model: ReferenceModel) -> None:
+    """With ``--akv-protect-live``: C waits while A runs (its first forward after A's last), takes the
+    slots of A's dropped message once A finishes, and B's and P's next turns read all the live KV
+    they left as cached (usage as the cache core's own accounting on an unbounded pool). The pool
+    after each wave holds exactly every conversation's live KV (A's dropped message gone). D, at the
+    head of the queue with nothing running, needs more than the KV that is not live: it is still
+    admitted (evicting live KV, as without the flag); E, sent with it, waits for it. Every request is
+    exact, every cache read checked against the brute force, the pool back to its start."""
+    waves, report = protect_live_run
+    results = report["results"]
+    for wave in waves:
+        for request in wave:
+            assert_exact(oracle_model, request, results[request.rid])
+    assert max(_forwards_of(report, "live-a")) < min(_forwards_of(report, "live-c")), report["batches"]
+    (b1,), (p1,), (a, c), (b2, p2), (d, e) = waves
+    assert results["live-b-2"]["cached_tokens"] == len(b1.ids), results["live-b-2"]
+    assert results["live-p-2"]["cached_tokens"] == len(p1.ids), results["live-p-2"]
+    expected = expected_usage(waves, report)
+    for request in (r for wave in waves for r in wave):
+        assert reported_usage(request, results[request.rid]) == expected[request.rid], request.rid
+    held = [w["pool"]["total"] - w["pool"]["available"] for w in report["waves"]]
+    live = _kv_held(b1) + _kv_held(p1) + _kv_held(a, PROTECT_LIVE_DROPPED) + _kv_held(c)
+    assert held[2] == live, (held, live)
+    live += _kv_held(b2) - _kv_held(b1) + _kv_held(p2) - _kv_held(p1)
+    assert held[3] == live, (held, live)
+    assert len(d.ids) > NEAR_POOL - live, "D must need live KV's slots"
+    assert max(_forwards_of(report, "live-d")) < min(_forwards_of(report, "live-e")), report["batches"]
+    assert report["audit"]["context_plans"] == 4 and report["audit"]["evicted"] > 0, report["audit"]
     assert_pool_back(report)
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from akv.system import launch_server as ls
+from akv.system.adapter import live_guard
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,6 +106,29 @@ def test_conflicting_flags_are_refused_naming_flag_and_value(argv: list[str], fl
 def test_flag_without_value_is_refused(argv: list[str]) -> None:
     with pytest.raises(ls.LaunchError, match="missing value"):
         ls.apply_akv_defaults(argv)
+
+
+def test_protect_live_is_taken_out_of_sglangs_flags_and_set_for_the_servers_processes() -> None:
+    argv = ["--model-path", "/m", "--akv-protect-live", "--port", "30001"]
+    assert ls.take_akv_switches(argv) == (["--model-path", "/m", "--port", "30001"], {"AKV_PROTECT_LIVE": "1"})
+    assert ls.take_akv_switches(["--model-path", "/m"]) == (["--model-path", "/m"], {})
+    assert live_guard.enabled({"AKV_PROTECT_LIVE": "1"}) and not live_guard.enabled({})
+    assert not live_guard.enabled({"AKV_PROTECT_LIVE": "0"})
+    with pytest.raises(ValueError, match="AKV_PROTECT_LIVE: 'yes' is not 0 or 1"):
+        live_guard.enabled({"AKV_PROTECT_LIVE": "yes"})
+
+
+def test_protect_live_takes_no_value_and_needs_the_akv_cache() -> None:
+    with pytest.raises(ls.LaunchError, match="--akv-protect-live is a switch and takes no value, got 'true'"):
+        ls.take_akv_switches(["--model-path", "/m", "--akv-protect-live=true"])
+    with pytest.raises(ls.LaunchError, match="--akv-protect-live conflicts with --disaggregation-mode decode"):
+        ls.take_akv_switches(["--akv-protect-live", "--disaggregation-mode", "decode"])
+
+
+def test_help_describes_protect_live_and_says_it_is_opt_in() -> None:
+    text = ls.usage("0.5.16+akv")
+    assert "[--akv-protect-live]" in text and "``--akv-protect-live`` (off by default)" in text
+    assert "Opt-in until it is measured on a GPU" in " ".join(text.split())
 
 
 def test_parsed_server_args_are_checked_too() -> None:

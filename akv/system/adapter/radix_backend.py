@@ -22,6 +22,7 @@ from akv.system.adapter import host_rows
 from akv.system.adapter.batch_metadata import VisibilityTable
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.device import to_device
+from akv.system.adapter.live_guard import LiveGuard, enabled as protect_live_enabled
 from akv.system.adapter.metrics import AkvMetrics
 from akv.system.adapter.scheduling import ADMISSION_SLACK
 from akv.system.adapter.window_lists import PositionTable, window_from_radius
@@ -78,9 +79,10 @@ class PlainLock:
 
 class AkvRadixCache(BasePrefixCache):
     """The cache core behind SGLang's prefix-cache interface (page size 1). ``window``: the model's
-    sliding window (``config.sliding_window``; None without sliding-window layers)."""
+    sliding window (``config.sliding_window``; None without sliding-window layers); ``protect_live``:
+    admission leaves live KV alone while requests are in flight (:mod:`akv.system.adapter.live_guard`)."""
 
-    def __init__(self, params: CacheInitParams, window: int | None = None) -> None:
+    def __init__(self, params: CacheInitParams, window: int | None = None, protect_live: bool = False) -> None:
         if params.page_size != 1:
             raise ValueError(f"page_size: {params.page_size} is not supported by the AKV cache (needs 1)")
         self.req_to_token_pool = params.req_to_token_pool
@@ -97,6 +99,7 @@ class AkvRadixCache(BasePrefixCache):
         self.metrics = AkvMetrics(bool(server_args.enable_metrics), server_args.served_model_name or "")
         self.window = window
         self.positions = None if window is None else PositionTable(self.req_to_token_pool.req_to_token)
+        self.live_guard = LiveGuard() if protect_live else None
 
     # ---- matching and locking -------------------------------------------------------------------
 
@@ -224,15 +227,23 @@ class AkvRadixCache(BasePrefixCache):
     # ---- memory ---------------------------------------------------------------------------------
 
     def evict(self, params: EvictParams) -> EvictResult:
-        evicted = self.core.tree.evict(params.num_tokens)
+        """Free ``num_tokens`` slots in the tree's drop-aware order; with ``protect_live``, only what the
+        pool lacks of them (SGLang asks for an allocation's whole size)."""
+        n = params.num_tokens
+        if self.live_guard is not None:
+            n = max(n - self.core.pool.n_free, 0)
+        evicted = self.core.tree.evict(n)
         self.metrics.evicted(evicted)
         return EvictResult(num_tokens_evicted=evicted)
 
     def evictable_size(self) -> int:
+        """Slots only the tree holds; while ``protect_live`` protects, only its spare ones."""
+        if self.live_guard is not None and self.live_guard.protecting:
+            return self.core.tree.n_spare()
         return self.core.pool.n_evictable
 
     def full_evictable_size(self) -> int:
-        return self.core.pool.n_evictable
+        return self.evictable_size()
 
     def protected_size(self) -> int:
         return self.core.pool.n_protected
@@ -271,4 +282,4 @@ def build(ctx: Any) -> AkvRadixCache:
     if window is not None and "flashinfer" in backends:
         raise ValueError("attention_backend 'flashinfer': AKV's sliding-window KV lists are built for the triton "
                          "backend only; serve this model with --attention-backend triton")
-    return AkvRadixCache(ctx.params, window=window)
+    return AkvRadixCache(ctx.params, window=window, protect_live=protect_live_enabled())

@@ -76,6 +76,7 @@ class SlotPool:
         self._on_free = on_free
         self._n_evictable = 0
         self._n_protected = 0
+        self.changes = 0  # reference changes so far: a count cached over the references holds while this does
 
     @property
     def n_free(self) -> int:
@@ -143,9 +144,13 @@ class SlotPool:
     def request_refs(self, slots: np.ndarray) -> np.ndarray:
         return self._refs[np.asarray(slots, dtype=np.int64)]
 
+    def tree_refs(self, slots: np.ndarray) -> np.ndarray:
+        return self._tree[np.asarray(slots, dtype=np.int64)]
+
     def _adopt(self, slots: np.ndarray) -> None:
         self._refs[slots] = 1
         self._n_protected += int(slots.size)
+        self.changes += 1
 
     def _change(self, slots: np.ndarray, op: str, holder: np.ndarray, delta: int) -> int:
         """Add ``delta`` references of one holder (``holder``: the request or the tree counts) per
@@ -163,6 +168,7 @@ class SlotPool:
         if delta < 0 and (changed < 0).any():
             raise PoolError(f"slots: slot {int(touched[changed < 0].min())} released more often than referenced")
         holder[touched] = changed
+        self.changes += 1
         protected = 0
         if holder is self._refs:
             protected = int(np.count_nonzero(changed)) - int(np.count_nonzero(requests))

@@ -90,6 +90,9 @@ class RadixTree:
         self._leaves: list[tuple[int, int, TreeNode]] = []
         self._dirty: set[TreeNode] = set()
         self._ranked: tuple[set[TreeNode], set[TreeNode]] = (set(), set())
+        self._unread: dict[TreeNode, np.ndarray] = {}  # slots of each ranked node's DROPPED and STALE versions
+        self._refreshes = 0
+        self._spare: tuple[tuple[int, int], int] | None = None
         self.epoch = 0
 
     @property
@@ -281,8 +284,25 @@ class RadixTree:
         out[2] = np.setdiff1d(self.resident_slots(), np.concatenate([out[DROPPED], out[STALE]]))
         return out
 
+    def n_spare(self) -> int:
+        """Slots that evicting the :data:`DROPPED` and :data:`STALE` ranks frees now, before any
+        version a recorded path reads: distinct slots no request references, each of whose tree
+        references is such a version. Cached until a reference or a rank changes."""
+        self._refresh()
+        key = (self.pool.changes, self._refreshes)
+        if self._spare is None or self._spare[0] != key:
+            slots = np.concatenate(list(self._unread.values()) or [np.zeros(0, np.int64)])
+            single = self.pool.tree_refs(slots) == 1  # the usual case: this version is the slot's one tree reference
+            n = int(np.count_nonzero(single & (self.pool.request_refs(slots) == 0)))
+            shared, listed = np.unique(slots[~single], return_counts=True)
+            n += int(np.count_nonzero((self.pool.tree_refs(shared) == listed) & (self.pool.request_refs(shared) == 0)))
+            self._spare = (key, n)
+        return self._spare[1]
+
     def _refresh(self) -> None:
-        """Re-rank the nodes whose versions or read counts changed since the last eviction."""
+        """Re-rank the nodes whose versions or read counts changed since the last eviction or count."""
+        if self._dirty:
+            self._refreshes += 1
         for node in self._dirty:
             masks = node.ranked() if node.attached else None
             for rank in (DROPPED, STALE):
@@ -290,6 +310,10 @@ class RadixTree:
                     self._ranked[rank].add(node)
                 else:
                     self._ranked[rank].discard(node)
+            if node in self._ranked[DROPPED] or node in self._ranked[STALE]:
+                self._unread[node] = node.slots[masks[DROPPED] | masks[STALE]]
+            else:
+                self._unread.pop(node, None)
         self._dirty.clear()
 
     def _end_path(self, leaf: TreeNode, terminal: np.ndarray) -> None:
@@ -355,6 +379,7 @@ class RadixTree:
         self._roots.clear()
         self._leaves.clear()
         self._dirty.clear()
+        self._unread.clear()
         for ranked in self._ranked:
             ranked.clear()
         self._n_nodes = 0
@@ -469,6 +494,7 @@ class RadixTree:
             count = self.pool.tree_decref(node.slots[held])
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
+            self._dirty.add(node)
         self._prune(node)
         return count
 
