@@ -92,6 +92,7 @@ def _make(work: Path) -> str | None:
     for wheel in sorted((work / "wheels").glob("*.whl")):
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(work / "site")
+    shutil.rmtree(work / "wheels")
     problem = _run(["apt-get", "download", *DEBS], work / "debs")
     if problem is not None:
         return f"the system libraries the engine loads are not downloadable here ({problem})"

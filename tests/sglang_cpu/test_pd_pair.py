@@ -4,7 +4,8 @@
 the same bootstrap room, as a router sends it; the decode server's replies and usage must equal the
 reference server's for plain turns and for context turns (a drop with a reposition, a drop alone, whose
 next position is not the kept count, a later drop, a repeat that reuses the prefill server's cache,
-streamed and not). Both servers run SGLang's strict memory checks (a leaked slot stops the scheduler)
+streamed and not), and through smg's PD router (``python -m akv.system.launch_router --pd-disaggregation``)
+as the README starts it. Both servers run SGLang's strict memory checks (a leaked slot stops the scheduler)
 and must still be up at the end.
 
 Mooncake's engine needs libraries a CPU machine lacks (``tests/sglang_cpu/mooncake_cpu.py`` makes them
@@ -12,12 +13,14 @@ once per machine); without them the test skips and says which step failed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -56,7 +59,7 @@ TURNS = [
 
 @pytest.fixture(scope="module")
 def mooncake() -> MooncakeCpu:
-    found = prepare(_build.default_cache_dir() / "mooncake-cpu")
+    found = prepare(_build.default_cache_dir().parent / "mooncake-cpu")
     if isinstance(found, str):
         pytest.skip(f"Mooncake's transfer engine cannot run here: {found}")
     return found
@@ -80,7 +83,7 @@ def pair(patched_site: Path, tiny_qwen3: Path, mooncake: MooncakeCpu,
             log_path = logs / f"{mode}.log"
             log = stack.enter_context(open(log_path, "w"))
             command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(tiny_qwen3),
-                       "--port", str(port), *SERVER_ARGS, "--disaggregation-mode", mode,
+                       "--port", str(port), *SERVER_ARGS, "--served-model-name", "default", "--disaggregation-mode", mode,
                        "--disaggregation-transfer-backend", "mooncake_tcp", *extra]
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             server = Server(f"http://127.0.0.1:{port}", process, log_path)
@@ -148,7 +151,52 @@ def test_usage_equals_the_reference_servers(served: list) -> None:
     assert repeat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the repeat reuses the prefill server's cache"
 
 
-def test_both_servers_are_up_after_everything(pair: tuple[Server, Server, int], served: list) -> None:
+def _healthy_workers(router: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{router}/workers", timeout=5) as response:
+            return sum(bool(w.get("is_healthy")) for w in json.loads(response.read())["workers"])
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def router(pair: tuple[Server, Server, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """smg in PD mode in front of the pair (its URL)."""
+    prefill, decode, bootstrap = pair
+    port = free_port()
+    command = [sys.executable, "-m", "akv.system.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
+               str(bootstrap), "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    log_path = tmp_path_factory.mktemp("pd-router") / "router.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while _healthy_workers(url) < 2:
+            assert process.poll() is None and time.time() < deadline, log_path.read_text()[-4000:]
+            time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+        process.wait(timeout=30)
+
+
+def test_context_turns_through_smgs_pd_router_equal_the_reference_servers(router: str, reference_url: str,
+                                                                          served: list) -> None:
+    for name, fields in TURNS[1:4]:
+        body = {"model": "default", "messages": MESSAGES, "max_tokens": 8, "temperature": 0.0, **fields}
+        got = _result(*post_text(router, body, timeout=600), False)
+        want = _result(*post_text(reference_url, body, timeout=600), False)
+        assert got[0] == 200, (name, got)
+        assert got[1]["content"] == want[1]["content"], name
+        assert got[1]["usage"]["prompt_tokens"] == want[1]["usage"]["prompt_tokens"], name
+        assert got[1]["usage"]["prompt_tokens_details"] == want[1]["usage"]["prompt_tokens_details"], name
+
+
+def test_both_servers_are_up_after_everything(pair: tuple[Server, Server, int], served: list, router: str) -> None:
     """Their strict idle and busy memory checks stop a scheduler that leaked a slot."""
     for server in pair[:2]:
         assert server.process.poll() is None, server.log_path.read_text()[-4000:]
