@@ -52,12 +52,6 @@ class DecodeLayout:
     def offset(self) -> int:
         return self.next_position - self.visible
 
-    def fill_len(self, n_output: int) -> int:
-        """Slots the decode server allocates before the transfer (SGLang's ``_pre_alloc_fill_len``
-        with ``V`` for the prompt): the received columns, plus the generated tokens whose KV already
-        exists (all but the last one)."""
-        return self.visible + max(n_output - 1, 0)
-
 
 @dataclass(frozen=True)
 class PrefillSend:
