@@ -43,6 +43,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 from akv.system.adapter import pd_decode, usage  # noqa: E402
+from akv.system.adapter.context_request import AkvRequest  # noqa: E402
 from akv.system.adapter.scheduling import attach  # noqa: E402
 from akv.system.context.compiler import append_generated  # noqa: E402
 from akv.system.context.wire import encode_program  # noqa: E402
@@ -245,6 +246,22 @@ def plain_send() -> dict:
     return {"pages": sender.pages, "row": buffers.cached_tokens[0].tolist()}
 
 
+def capacity(conv: Conversation) -> dict:
+    """SGLang's prefill-side check of a prompt's length against the pool, for a text one slot longer
+    than the pool: a plain request is refused; a context request is not (its need, which may be smaller
+    than its text, was checked when it arrived)."""
+    program = conv.program(conv.n_turns - 1)
+    queue = SimpleNamespace(max_total_num_tokens=program.n_tokens - 1,
+                            scheduler=SimpleNamespace(output_streamer=SimpleNamespace(stream_output=lambda *a: None)))
+    out = {}
+    for name in ("plain", "context"):
+        req = Req(rid=name, origin_input_text="", origin_input_ids=array("q", program.token_ids.tolist()),
+                  sampling_params=SamplingParams(max_new_tokens=1))
+        req.akv = AkvRequest(program) if name == "context" else None
+        out[name] = PrefillBootstrapQueue._check_if_req_exceed_kv_capacity(queue, req)
+    return out
+
+
 def main() -> None:
     job = json.loads(sys.stdin.read())
     turns = []
@@ -262,7 +279,8 @@ def main() -> None:
     first = job["conversations"][0]
     conv = Conversation(tuple(tuple(m) for m in first["messages"]),
                         {int(a): tuple(ms) for a, ms in first["drops"].items()}, tuple(first["repositions"]))
-    print(json.dumps({"turns": turns, "refusals": refusals(conv, conv.n_turns - 1), "plain": plain_send()}))
+    print(json.dumps({"turns": turns, "refusals": refusals(conv, conv.n_turns - 1), "plain": plain_send(),
+                      "capacity": capacity(conv)}))
 
 
 if __name__ == "__main__":

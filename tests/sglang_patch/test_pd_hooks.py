@@ -109,6 +109,11 @@ def test_a_plain_request_sends_its_prompt_and_clears_the_context_columns(report:
     assert plain["row"][METADATA_COLUMNS.start:METADATA_COLUMNS.stop] == [0] * 7
 
 
+def test_a_context_requests_text_is_not_held_against_the_pool_on_the_prefill_server(report: dict) -> None:
+    """SGLang refuses a prompt longer than the pool; a context request's need was checked on arrival."""
+    assert report["capacity"] == {"plain": True, "context": False}
+
+
 def test_the_decode_server_allocates_and_receives_v_columns(report: dict) -> None:
     """SGLang's pre-allocation takes exactly V slots (its prompt is the kept tokens), the receiving
     indices it sends the prefill server are those V slots, and after the transfer its row holds the kept
