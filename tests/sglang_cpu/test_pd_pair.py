@@ -3,8 +3,8 @@
 (``mooncake_tcp``), against the exact CPU reference server. Every request goes to both servers with
 the same bootstrap room, as a router sends it; the decode server's replies and usage must equal the
 reference server's for plain turns and for context turns (a drop with a reposition, a drop alone, whose
-next position is not the kept count, a later drop, a repeat that reuses the prefill server's cache,
-streamed and not), and through smg's PD router (``python -m akv.system.launch_router --pd-disaggregation``)
+next position is not the kept count, a later drop, a repeat that reuses the prefill server's cache, a
+drop and reposition anchored at the last message and its repeat, streamed and not), and through smg's PD router (``python -m akv.system.launch_router --pd-disaggregation``)
 as the README starts it. Both servers run SGLang's strict memory checks (a leaked slot stops the scheduler)
 and must still be up at the end.
 
@@ -54,6 +54,9 @@ TURNS = [
     ("later-drop", {"drop_message": {"4": [3], "5": [1, 2]}, "reposition": [4]}),
     ("drop-only-streamed", {"drop_message": {"4": [3]}, "stream": True, "stream_options": {"include_usage": True}}),
     ("drop-and-repos-again", {"drop_message": {"4": [3]}, "reposition": [4]}),
+    # anchored at the last message: re-rotations just before the generation prompt's tokens
+    ("repos-at-the-end", {"drop_message": {"5": [3]}, "reposition": [5]}),
+    ("repos-at-the-end-again", {"drop_message": {"5": [3]}, "reposition": [5]}),
 ]
 
 
