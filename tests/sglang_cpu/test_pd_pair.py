@@ -4,9 +4,10 @@
 the same bootstrap room, as a router sends it; the decode server's replies and usage must equal the
 reference server's for plain turns and for context turns (a drop with a reposition, a drop alone, whose
 next position is not the kept count, a later drop, a repeat that reuses the prefill server's cache, a
-drop and reposition anchored at the last message and its repeat, streamed and not), and through smg's PD router (``python -m akv.system.launch_router --pd-disaggregation``)
-as the README starts it. Both servers run SGLang's strict memory checks (a leaked slot stops the scheduler)
-and must still be up at the end.
+drop and reposition anchored at the last message and its repeat, streamed and not), and so must three
+context turns through smg's PD router (``python -m akv.system.launch_router --pd-disaggregation``) as
+the README starts it. Both servers run SGLang's strict memory checks (a leaked slot stops the
+scheduler) and must still be up at the end.
 
 Mooncake's engine needs libraries a CPU machine lacks (``tests/sglang_cpu/mooncake_cpu.py`` makes them
 once per machine); without them the test skips and says which step failed."""
