@@ -68,8 +68,8 @@ def prepare(cache: Path) -> MooncakeCpu | str:
 
 
 def _layout(folder: Path) -> MooncakeCpu:
-    libraries = [folder / "site" / "nvidia" / "cu13" / "lib", folder / "stub", folder / "sys" / "usr" / "lib" / "x86_64-linux-gnu",
-                 folder / "sys" / "lib" / "x86_64-linux-gnu"]
+    libraries = [folder / "site" / "nvidia" / "cu13" / "lib", folder / "stub",
+                 folder / "sys" / "usr" / "lib" / "x86_64-linux-gnu", folder / "sys" / "lib" / "x86_64-linux-gnu"]
     return MooncakeCpu(str(folder / "site"), os.pathsep.join(str(p) for p in libraries))
 
 

@@ -87,8 +87,8 @@ def pair(patched_site: Path, tiny_qwen3: Path, mooncake: MooncakeCpu,
             log_path = logs / f"{mode}.log"
             log = stack.enter_context(open(log_path, "w"))
             command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(tiny_qwen3),
-                       "--port", str(port), *SERVER_ARGS, "--served-model-name", "default", "--disaggregation-mode", mode,
-                       "--disaggregation-transfer-backend", "mooncake_tcp", *extra]
+                       "--port", str(port), *SERVER_ARGS, "--served-model-name", "default",
+                       "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake_tcp", *extra]
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             server = Server(f"http://127.0.0.1:{port}", process, log_path)
             stack.callback(_stop, server)

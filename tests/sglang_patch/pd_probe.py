@@ -33,7 +33,11 @@ cpu_shim.install()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeReqToTokenPool, DecodeTransferQueue  # noqa: E402
+from sglang.srt.disaggregation.decode import (  # noqa: E402
+    DecodePreallocQueue,
+    DecodeReqToTokenPool,
+    DecodeTransferQueue,
+)
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue, SchedulerDisaggregationPrefillMixin  # noqa: E402
 from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req  # noqa: E402
@@ -85,14 +89,16 @@ class Executor:
         self.runs: list[dict[str, list[int]]] = []
 
     def run(self, copies) -> None:
-        self.runs.append({name: getattr(copies, name).tolist() for name in ("src", "dst", "old_positions", "new_positions")})
+        names = ("src", "dst", "old_positions", "new_positions")
+        self.runs.append({name: getattr(copies, name).tolist() for name in names})
 
 
 def prefill_scheduler(buffers: MetadataBuffers, executor: Executor) -> SimpleNamespace:
     runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(device="cpu", akv_copy_executor=executor))
+    kv_manager = SimpleNamespace(kv_args=SimpleNamespace(state_types=[]))
     return SimpleNamespace(
         token_to_kv_pool_allocator=SimpleNamespace(page_size=1), disagg_metadata_buffers=buffers,
-        disagg_prefill_bootstrap_queue=SimpleNamespace(kv_manager=SimpleNamespace(kv_args=SimpleNamespace(state_types=[]))),
+        disagg_prefill_bootstrap_queue=SimpleNamespace(kv_manager=kv_manager),
         tp_worker=SimpleNamespace(model_runner=runner))
 
 
@@ -170,7 +176,8 @@ def run_turn(core, free, kv, conv, turn, intern, n: int) -> dict:
     assert error is None, error
     receiving = receive(prealloc, transfer, dreq, dreq.bootstrap_room)
     received = {slot: sent_columns[i] for i, slot in enumerate(receiving)}
-    row_columns = [received[int(s)] for s in prealloc.req_to_token_pool.req_to_token[dreq.req_pool_idx][:len(receiving)]]
+    row = prealloc.req_to_token_pool.req_to_token[dreq.req_pool_idx][: len(receiving)]
+    row_columns = [received[int(s)] for s in row]
 
     reply = conv.reply(turn)
     full = brute_layout(append_generated(program, reply), intern)
