@@ -144,3 +144,26 @@ class SimulatedKV:
         for token, slot, (name, _) in zip(tokens, slots, labels):
             assert name == brute.names[token], f"slot {slot} listed for token {token} holds another token's KV"
             trace.read_from.setdefault(token, set()).add(slot)
+
+
+
+def brute_needed(program: ContextProgram) -> int:
+    """How many tokens an empty cache must compute for ``program``: the last one (its logits), those
+    generation reads, and every token a query that runs reads (walked back from the end); from the
+    events alone, as :func:`brute_layout` walks them."""
+    n = program.n_tokens
+    pending = sorted(program.events, key=lambda e: e.at)
+    hidden: set[int] = set()
+    reads: list[list[int]] = []
+    for t in range(n + 1):
+        while pending and pending[0].at == t:
+            event = pending.pop(0)
+            if event.kind == EventKind.DROP:
+                hidden.update(s for a, b in event.ranges for s in range(a, b))
+        if t < n:
+            reads.append([s for s in range(t) if s not in hidden])
+    needed = {s for s in range(n) if s not in hidden} | {n - 1}
+    for t in range(n - 1, -1, -1):
+        if t in needed:
+            needed.update(reads[t])
+    return len(needed)

@@ -9,6 +9,8 @@ torch, in the wrappers' own output layout (sums of q rows, then of k rows, padde
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -25,8 +27,10 @@ def rms_apply(x1: torch.Tensor, x2: torch.Tensor, w1: torch.Tensor, w2: torch.Te
     return (x1.float() * inv1 * w1.float()).to(x1.dtype), (x2.float() * inv2 * w2.float()).to(x2.dtype)
 
 
-def install() -> None:
-    import sglang.srt.models.minimax_m2 as minimax_m2
+def install(minimax_m2: Any = None) -> None:
+    """Put the stand-ins into SGLang's MiniMax-M2 module (``minimax_m2``: that module, imported here if None)."""
+    if minimax_m2 is None:
+        import sglang.srt.models.minimax_m2 as minimax_m2
 
     minimax_m2.rms_sumsq_serial = rms_sumsq
     minimax_m2.rms_apply_serial = rms_apply

@@ -300,6 +300,17 @@ def copies_near_the_pool_waves(n_copies: int) -> list[list[Request]]:
                       Conversation(90).add(15, 15).request("near-plain", plain=True, max_new=6)]]
 
 
+def copies_beyond_the_pool_waves() -> list[list[Request]]:
+    """A conversation's turn that drops its second message and repositions the three after it, sent
+    cold (163 births; re-rotating them into copies would take 253 slots, more than a 200-slot pool),
+    then its next turn, which drops another message and repositions again, over the first turn's
+    published KV: each fits the pool only with what it repositions re-rotated in place."""
+    conv = Conversation(95).add(30, 30, 30, 30, 30).drop(1).reposition().add(10)
+    first = conv.request("beyond-cold", max_new=6)
+    conv.add(8).drop(3).reposition()
+    return [[first], [conv.request("beyond-next", max_new=6)]]
+
+
 def abort_waves() -> list[list[Request]]:
     """Abort mid-segment and mid-decode; the next requests must be served exactly."""
     long = Conversation(13).add(9, 9, 9, 9, 9).drop(1).reposition().add(9, 9).drop(3)

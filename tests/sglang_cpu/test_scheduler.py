@@ -21,6 +21,7 @@ from akv.system.context.compiler import append_generated, compile_program
 from akv.system.context.rules import parse_rules
 from akv.system.reference.model import ReferenceModel
 from akv.system.reference.oracle import run_oracle, run_program
+from tests.cache.brute import brute_needed
 
 from . import scenarios
 from .conftest import serve, serve_parts
@@ -301,12 +302,14 @@ def rounds_pressure_runs(patched_site: Path, tiny_qwen3: Path) -> dict[str, tupl
 
 
 @pytest.fixture(scope="module")
-def near_the_pool_runs(patched_site: Path, tiny_qwen3: Path) -> dict[int, tuple[list, dict]]:
-    """Each copy count's waves and report, one audited scheduler for all, flushed between counts."""
-    waves = [scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES]
+def near_the_pool_runs(patched_site: Path, tiny_qwen3: Path) -> dict[int | str, tuple[list, dict]]:
+    """Each copy count's waves and report, and the turns whose copies exceed the pool (``"beyond"``),
+    one audited scheduler for all, flushed between parts."""
+    keys = [*NEAR_COPIES, "beyond"]
+    waves = [scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES] + [scenarios.copies_beyond_the_pool_waves()]
     reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128,
                           max_total_tokens=NEAR_POOL, audit=True)
-    return dict(zip(NEAR_COPIES, zip(waves, reports, strict=True), strict=True))
+    return dict(zip(keys, zip(waves, reports, strict=True), strict=True))
 
 
 @pytest.mark.parametrize("mix", ROUNDS_MIXES)
@@ -324,24 +327,47 @@ def test_rounds_left_count_in_admission(rounds_pressure_runs: dict[str, tuple[li
 
 @pytest.mark.parametrize("n_copies", NEAR_COPIES)
 def test_copies_of_a_request_near_the_pool_size_are_served_and_nothing_stalls(
-        near_the_pool_runs: dict[int, tuple[list, dict]], oracle_model: ReferenceModel, n_copies: int) -> None:
+        near_the_pool_runs: dict[int | str, tuple[list, dict]], oracle_model: ReferenceModel, n_copies: int) -> None:
     """Copies of a four-segment turn whose births and copies nearly fill the pool, sent at once with
-    another such turn and a plain request while the tree is full of evictable KV: each gets the new
-    tokens the pool leaves beside its slots (SGLang's admission bound), and no fewer; every request
-    finishes (before, the first copy was never admitted and the queue behind it waited forever), is
-    exact, and the pool ends as it began, with every cache read checked against the brute force."""
+    another such turn and a plain request while the tree is full of evictable KV: re-rotating its
+    births in place, each gets the new tokens the pool leaves beside the tokens an empty cache must
+    compute (brute force) and SGLang's 2 admission slots, all it asked for, where counting its copies
+    left fewer (issue #28); every request finishes (before, the first copy was never admitted and the
+    queue behind it waited forever), is exact, and the pool ends as it began, with every cache read
+    checked against the brute force."""
     pool = NEAR_POOL
     waves, report = near_the_pool_runs[n_copies]
     for wave in waves:
         for request in wave:
             granted = request.max_new
             if request.program is not None:
-                need = CacheCore(SlotPool(1000)).admit(request.program).plan.fresh.size  # a cold admission's slots
-                granted = min(request.max_new, pool - need - 2)
+                granted = min(request.max_new, pool - brute_needed(request.program) - 2)
             assert_exact(oracle_model, replace(request, max_new=granted), report["results"][request.rid])
     copy = waves[2][0]
-    assert len(report["results"][copy.rid]["ids"]) < copy.max_new, "the copies must be near the pool's size"
+    with_copies = CacheCore(SlotPool(1000)).admit(copy.program).plan.fresh.size  # a one-forward cold admission's slots
+    assert with_copies + copy.max_new + 2 > pool, "the case in point: the copies and the new tokens do not fit"
+    assert len(report["results"][copy.rid]["ids"]) == copy.max_new
     assert report["audit"]["context_plans"] == len(waves[0]) + n_copies + 1
+    assert_pool_back(report)
+
+
+def test_turns_whose_copies_exceed_the_pool_are_served_exactly(
+        near_the_pool_runs: dict[int | str, tuple[list, dict]], oracle_model: ReferenceModel) -> None:
+    """A cold turn whose births fit the 200-slot pool but whose births and re-rotation copies (253)
+    do not, then its next turn over its published KV: both used to be refused (400 "needs 253 KV
+    slots with its re-rotated copies"); now each is served in full, exact against the oracle (every
+    cache read checked against the brute force), the cold one re-rotating its 90 repositioned births
+    in place (no copy slot), and the pool ends as it began (issue #28)."""
+    waves, report = near_the_pool_runs["beyond"]
+    cold = waves[0][0]
+    assert CacheCore(SlotPool(1000)).admit(cold.program).plan.fresh.size > NEAR_POOL, "the case in point"
+    for wave in waves:
+        for request in wave:
+            assert brute_needed(request.program) + request.max_new + 2 <= NEAR_POOL
+            assert_exact(oracle_model, request, report["results"][request.rid])
+    (line,) = [line for line in report["prefills"] if line["rid"] == cold.rid]
+    assert line["copy_slots"] == 0 and line["in_place"] == 3 * 30, line  # messages 2..4 moved up by one message
+    assert report["audit"]["context_plans"] == 2
     assert_pool_back(report)
 
 

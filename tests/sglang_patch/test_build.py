@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
+import importlib.util
 import io
 import shutil
 import zipfile
@@ -219,6 +220,18 @@ def test_a_wheel_is_installed_once_per_machine_and_a_changed_wheel_gets_its_own_
     assert not (site / "akvprobe.py").exists()
     other = _build.installed_site(_tiny_wheel(tmp_path / "b", "X = 2\n"), cache)
     assert other != site and (other / "akvprobe.py").read_text() == "X = 2\n"
+
+
+def test_an_installed_site_carries_its_bytecode(tmp_path: Path) -> None:
+    """Processes started with ``PYTHONDONTWRITEBYTECODE`` (CI's, this machine's) import the site without
+    compiling its sources again: the cached bytecode is there and current."""
+    site = _build.installed_site(_tiny_wheel(tmp_path / "a", "X = 1\n"), tmp_path / "cache" / "wheels")
+    cached = Path(importlib.util.cache_from_source(str(site / "akvprobe.py")))
+    assert cached.is_file()
+    header, source = cached.read_bytes()[:16], (site / "akvprobe.py").stat()
+    assert header[:4] == importlib.util.MAGIC_NUMBER and header[4:8] == bytes(4)  # checked by mtime and size
+    assert int.from_bytes(header[8:12], "little") == int(source.st_mtime)
+    assert int.from_bytes(header[12:16], "little") == source.st_size
 
 
 def test_the_cached_build_is_reused_by_every_session(patched: _build.BuildResult, tag: str) -> None:

@@ -11,13 +11,13 @@ import pytest
 
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.scheduling import attach, cap_extend, extra_budget, hold_rounds, must_wait
-from akv.system.cache.occurrence import cold_plan
 from akv.system.cache.core import CacheCore, CacheFull
 from akv.system.cache.keys import program_key
 from akv.system.cache.pool import ArrayFreeList, SlotPool
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
 from akv.system.context.wire import encode_program
+from tests.cache.brute import brute_needed
 from tests.sglang_cpu.scenarios import Conversation
 
 SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64, disaggregation_mode="null")
@@ -69,18 +69,18 @@ def test_unservable_requests_are_refused(server, mangle, message) -> None:
     assert error is not None and message in error and req.akv is None
 
 
-def test_kv_that_can_never_fit_is_refused_with_the_exact_cold_need() -> None:
-    """A reposition after a drop re-rotates what follows the gap: births plus copies can exceed the
-    pool although the prompt alone fits. The limit is the cold plan's own count and the 2 slots SGLang's
-    admission adds (one page, and a strict bound)."""
+def test_kv_that_can_never_fit_is_refused_with_the_exact_count_of_its_births() -> None:
+    """A reposition after a drop re-rotates what follows the gap: births plus copies exceed the pool
+    although the prompt alone fits. Such a request is served with its births re-rotated in place, so
+    the limit is the count of tokens an empty cache must compute (brute force) and the 2 slots
+    SGLang's admission adds (one page, and a strict bound), not its copies (issue #28)."""
     prog = program([30, 30, 30, 2], {"2": [0]}, [2])
-    need = cold_plan(prog).n_slots
-    cold = CacheCore(SlotPool(1000)).admit(prog)
-    assert need == cold.plan.fresh.size and need > prog.n_tokens
+    need = brute_needed(prog)
+    assert CacheCore(SlotPool(1000)).admit(prog).plan.fresh.size > need + 2, "the case in point: copies do not fit"
     req, recv = request(prog)
     error = attach(req, recv, SERVER, pool_size=need + 1)
-    assert error == (f"messages: the prompt needs {need} KV slots with its re-rotated copies (and 2 for admission), "
-                     f"more than the {need + 1} this server holds")
+    assert error == (f"messages: the prompt needs {need} KV slots (every token a later one reads, re-rotated in "
+                     f"place, and 2 for admission), more than the {need + 1} this server holds")
     req, recv = request(prog)
     assert attach(req, recv, SERVER, pool_size=need + 2) is None
 
@@ -162,11 +162,12 @@ def test_rounds_stop_before_reused_columns_and_continue_beside_the_chunked_slot(
 
 
 def test_max_new_tokens_is_clipped_so_an_idle_server_admits_the_request() -> None:
-    """SGLang's admission needs births + copy slots + new tokens + one page strictly below the pool:
-    a request asking for more new tokens than that leaves gets fewer (as SGLang clips a plain prompt's);
+    """SGLang's admission needs the slots a request takes + new tokens + one page strictly below the
+    pool; on an idle server that is its births, re-rotated in place where its copies would not fit: a
+    request asking for more new tokens than that leaves gets fewer (as SGLang clips a plain prompt's);
     otherwise it would wait forever, and every request queued behind it."""
     prog = program([30, 30, 30, 2], {"2": [0]}, [2])
-    need = CacheCore(SlotPool(1000)).admit(prog).plan.fresh.size  # what a cold admission takes
+    need = brute_needed(prog)  # what a cold admission with births re-rotated in place takes
     for wanted, pool, granted in [(10, need + 2 + 3, 3), (3, need + 2 + 3, 3), (2, need + 2 + 3, 2),
                                   (None, need + 2 + 3, 3), (10, need + 2, 0), (10, 1000, 10)]:
         req, recv = request(prog, wanted)
@@ -191,10 +192,12 @@ def test_admission_counts_the_slots_a_request_takes_not_the_columns_it_borrows()
     assert columns + extra_budget(req) == taken
 
 
-def test_a_draft_that_would_hold_more_than_the_room_left_is_planned_cold() -> None:
+def test_a_draft_that_would_hold_more_than_the_room_left_rotates_its_births_in_place() -> None:
     """A warm draft can hold more slots than the cold plan (a borrowed version held to the end where
-    the cold plan's copy slot is recycled): with the room that the clipped new tokens leave, only the
-    cold plan can ever be admitted, so the draft is the cold one; with more room it stays warm."""
+    the cold plan's copy slot is recycled). With less room than it holds, the draft is planned again
+    with its own births re-rotated in place (it keeps what it reuses); with less room than that, cold
+    with births in place: the tokens an empty cache computes (brute force), the room that the clipped
+    new tokens always leave (:func:`attach`). With room for it, the draft stays the one-forward plan."""
     conv = Conversation(140).add(8, 8)
     turns = []
     for lengths, drop, repos in [((7, 8), 0, True), ((9, 6), None, False), ((8, 4), 2, False), ((8, 4), 4, True),
@@ -213,17 +216,22 @@ def test_a_draft_that_would_hold_more_than_the_room_left_is_planned_cold() -> No
         core.match(last)
         core.tree.evict(n)
     cold = CacheCore(SlotPool(1000)).admit(last).plan.fresh.size
+    least = brute_needed(last)
 
     def holds(draft) -> int:
         return draft.plan.n_births + draft.n_copy_slots + np.unique(draft.plan.plan.borrowed).size
 
-    warm = core.match(last)
-    assert holds(warm) > cold  # the case in point
-    state = AkvRequest(last)
-    assert holds(state.plan_draft(core, room=cold)) == cold
-    assert state.plan_draft(core, room=cold).plan.plan.usage.cached_tokens == 0  # nothing reused
-    roomy = AkvRequest(last)
-    assert holds(roomy.plan_draft(core, room=holds(warm))) == holds(warm)
+    warm = core.match(last, in_place=True)
+    assert holds(warm) > cold > least  # the case in point
+    roomy = AkvRequest(last).plan_draft(core, room=holds(warm))
+    assert holds(roomy) == holds(warm) and roomy.n_copy_slots == warm.n_copy_slots
+    for room in (cold, least):
+        draft = AkvRequest(last).plan_draft(core, room=room)
+        assert holds(draft) <= room and draft.n_copy_slots < warm.n_copy_slots
+    kept = AkvRequest(last).plan_draft(core, room=cold)
+    assert kept.plan.plan.usage.cached_tokens == warm.plan.plan.usage.cached_tokens > 0  # reuse kept
+    tight = AkvRequest(last).plan_draft(core, room=least)
+    assert holds(tight) == least and tight.n_copy_slots == 0
 
 
 def test_a_round_stops_before_a_segment_whose_copies_reuse_a_slot_the_round_reads() -> None:
@@ -381,3 +389,24 @@ def test_every_path_of_an_in_place_turn_gives_back_what_it_took(path: str) -> No
     _slots_accounted(core, [turn_program, sibling_program])
     core.flush()
     assert core.pool.n_free == core.pool.size
+
+
+def test_a_round_stops_before_a_segment_that_rotates_a_birth_of_the_round_in_place() -> None:
+    """A cold turn (drop, reposition, new message) on a pool that holds its births but not their
+    copies: its plan re-rotates the repositioned births in place, which the first segment's attention
+    reads at their old positions, so the segment that rotates them starts the next round (two
+    forwards instead of one, and no copy slot)."""
+    prog = program([30, 30, 30, 2], {"2": [0]}, [2])
+    pool = brute_needed(prog) + 2 + 4
+    req, recv = request(prog, wanted=4)
+    assert attach(req, recv, SERVER, pool_size=pool) is None and req.sampling_params.max_new_tokens == 4
+    draft = req.akv.plan_draft(CacheCore(SlotPool(pool)), room=pool - 4 - 2)
+    segments = req.akv.plan_draft_segments()
+    assert draft.n_copy_slots == 0 and len(segments) == 2 and segments[0].end == segments[1].start
+    rotated = segments[1].copies
+    assert rotated.size > 0 and np.array_equal(rotated.src, rotated.dst)
+    assert np.isin(rotated.dst, segments[0].slots).all()
+    _fill(req, prog, 0)
+    assert cap_extend(req) and req.extend_range.end == segments[0].end
+    req.set_extend_range(segments[1].start, prog.n_tokens)
+    assert not cap_extend(req) and req.extend_range.end == prog.n_tokens

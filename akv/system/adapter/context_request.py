@@ -10,7 +10,9 @@ the first decode step.
 Plans are in-place plans (:mod:`akv.system.cache.occurrence`): a resident version that nothing but
 this request reads (no other request, no other tree path, no earlier segment of the request) is
 re-rotated in its own slot and published at its new position; a copy is taken only where the old
-version must stay readable. From its lock to its commit those versions are set aside
+version must stay readable. A request's own births are copied too (all its segments run in one
+forward), unless that would not leave room for its new tokens: then its births are re-rotated in
+place as well, each such copy starting a new round. From its lock to its commit those versions are set aside
 (:meth:`akv.system.cache.core.CacheCore.reserve`): a request matched meanwhile does not read them at
 their old positions. A draft whose in-place version another request holds is planned again (it
 copies that version).
@@ -49,6 +51,7 @@ class AkvRequest:
         self.namespace = namespace
         self.draft: Draft | None = None
         self._cold = False
+        self._room: int | None = None
         self.active: ActiveRequest | None = None
         self.first_usage: Usage | None = None
         self.pinned: np.ndarray | None = None
@@ -65,22 +68,32 @@ class AkvRequest:
 
     def plan_draft(self, core: CacheCore, *, cold: bool = False, room: int | None = None) -> Draft:
         """The draft against the tree as it is now (recomputed only when the tree changed, unless
-        locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode). ``room``:
-        the most slots the request may hold (the pool less its new tokens and admission's slack); a
-        draft that would hold more (what it borrows as well as its births and copies) is replaced by
-        the cold plan, which always fits (:func:`akv.system.adapter.scheduling.attach`), else the
-        request could never be admitted."""
+        locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode). ``room``
+        (kept for later calls): the most slots the request may hold (the pool less its new tokens and
+        admission's slack). A draft that would hold more (what it borrows as well as its births and
+        copies) is planned again with its births re-rotated in place, and if that still holds more,
+        cold with its births in place: its births alone, which always fit
+        (:func:`akv.system.adapter.scheduling.attach`), else the request could never be admitted."""
+        if room is not None:
+            self._room = room
         if self.pinned is not None and self.draft is not None:
             return self.draft
         if (self.draft is None or self.draft.epoch != core.epoch or cold != self._cold
                 or core.contested(self.draft) or core.reads_reserved(self.draft)):
             started = time.perf_counter()
-            self.draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
+            self.draft = self._fitting_draft(core, cold)
             self._cold = cold
-            if not cold and room is not None and _holds(self.draft, core.pool) > room:
-                self.draft = core.match(self.program, self.namespace, cold=True)
             self.admission_s += time.perf_counter() - started
         return self.draft
+
+    def _fitting_draft(self, core: CacheCore, cold: bool) -> Draft:
+        draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
+        if self._room is None or _holds(draft, core.pool) <= self._room:
+            return draft
+        draft = core.match(self.program, self.namespace, cold=cold, in_place=True, births_in_place=True)
+        if cold or _holds(draft, core.pool) <= self._room:
+            return draft
+        return core.match(self.program, self.namespace, cold=True, births_in_place=True)
 
     @property
     def first_start(self) -> int:
@@ -245,4 +258,5 @@ class AkvRequest:
         return resolve_births(slots, self.active.births)
 
     def _real(self, job: CopyJob) -> CopyJob:
-        return CopyJob(job.tokens, self.resolve(job.src), job.dst, job.old_positions, job.new_positions)
+        """``job`` on real slots (a birth re-rotated in place is named by its birth id at both ends)."""
+        return CopyJob(job.tokens, self.resolve(job.src), self.resolve(job.dst), job.old_positions, job.new_positions)

@@ -44,7 +44,8 @@ _COUNTERS = {
     "prefill_cached_tokens": "Prompt tokens context requests' prefills read as stored.",
     "prefill_repositioned_tokens": "Prompt tokens context requests' prefills read through re-rotated copies.",
     "prefill_copy_slots": "KV slots allocated for re-rotated copies by context requests' prefills.",
-    "prefill_in_place_tokens": "Resident KV entries context requests' prefills re-rotated in their own slots.",
+    "prefill_in_place_tokens": ("KV entries context requests' prefills re-rotated in their own slots (resident "
+                                "versions, and their own births where copies would not fit)."),
     "prefill_wait_seconds": "Seconds context requests waited in the queue before admission.",
     "prefill_rounds_seconds": "Seconds from a context request's first prefill round to its last.",
     "prefill_forward_seconds": "Device seconds of the prefill forwards that carried context requests (per request).",

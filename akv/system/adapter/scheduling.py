@@ -1,8 +1,9 @@
 """Scheduler hooks: the program reaches ``Req``; a context request's prefill round runs every segment
 of a contiguous run of them in one forward (SGLang's chunk budget still cuts it), and stops only where
 the next segment starts after a gap of reused columns or, on a sliding-window model, at a segment's
-end; a request with more rounds continues in or beside SGLang's chunked-request slot; admission
-reserves copy slots and the rounds left of requests between rounds."""
+end, or before a segment that re-rotates KV an earlier one of the round reads; a request with more
+rounds continues in or beside SGLang's chunked-request slot; admission reserves copy slots and the
+rounds left of requests between rounds."""
 
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
     (:func:`akv.system.adapter.lengths.request_problem`) or its KV could never fit the pool (one
     that does not fit now waits in SGLang's queue, its copy slots counted by :func:`extra_budget`).
     Like SGLang's ``init_req_max_new_tokens`` for a plain prompt, ``max_new_tokens`` is clipped so that
-    admission's count on an idle server (births, copy slots, new tokens and one page) fits the pool,
-    and so that the text with its new tokens fits a ``req_to_token`` row: a request that never fits
-    would wait forever, and every request queued behind it. On a PD decode server it gets its decode-side
-    state instead (:func:`akv.system.adapter.pd_decode.attach`)."""
+    admission's count on an idle server fits the pool, and so that the text with its new tokens fits a
+    ``req_to_token`` row: a request that never fits would wait forever, and every request queued
+    behind it. On an idle server, with nothing resident that it can reuse, the least a request can
+    hold is its births (every token something reads, computed once) re-rotated in place: the plan
+    the server falls back to when its copies do not fit beside its new tokens
+    (:meth:`akv.system.adapter.context_request.AkvRequest.plan_draft`). On a PD decode server it gets
+    its decode-side state instead (:func:`akv.system.adapter.pd_decode.attach`)."""
     data = getattr(recv_req, "context_program", None)
     if data is None:
         return None
@@ -54,13 +58,12 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
             return f"messages: {problem}"
         columns = lengths.text_limit(context_len) - program.n_tokens
         wanted = columns if wanted is None else min(wanted, columns)
-    bound = program.n_tokens + sum(int(t.tokens.size) for t in program.transitions)  # births + copies, at most
-    fits = wanted is not None and bound + wanted + ADMISSION_SLACK <= pool_size
-    needed = bound if fits else cold_plan(program).n_slots
+    fits = wanted is not None and program.n_tokens + wanted + ADMISSION_SLACK <= pool_size  # births at most
+    needed = program.n_tokens if fits else cold_plan(program, births_in_place=True).n_slots
     room = pool_size - needed - ADMISSION_SLACK
     if room < 0:
-        return (f"messages: the prompt needs {needed} KV slots with its re-rotated copies (and {ADMISSION_SLACK} "
-                f"for admission), more than the {pool_size} this server holds")
+        return (f"messages: the prompt needs {needed} KV slots (every token a later one reads, re-rotated in "
+                f"place, and {ADMISSION_SLACK} for admission), more than the {pool_size} this server holds")
     req.sampling_params.max_new_tokens = room if wanted is None else min(wanted, room)
     req.akv = AkvRequest(program, req.extra_key or "")
     return None
@@ -83,17 +86,18 @@ def _round_end(state: AkvRequest, lo: int, hi: int) -> int:
     i = int(np.searchsorted(np.fromiter((s.end for s in segments), np.int64, len(segments)), lo, side="right"))
     if state.window is not None:
         return state.round_end(segments[i], lo, hi)
-    end, reads = segments[i].end, [segments[i].prefix_slots]
+    end, reads = segments[i].end, [segments[i].prefix_slots, segments[i].slots]
     while end < hi and i + 1 < len(segments) and segments[i + 1].start == end and not _recycles(segments[i + 1], reads):
         i += 1
         end = segments[i].end
-        reads.append(segments[i].prefix_slots)
+        reads += [segments[i].prefix_slots, segments[i].slots]
     return min(hi, end)
 
 
 def _recycles(segment: Any, reads: list[np.ndarray]) -> bool:
-    """Whether ``segment``'s copies write a slot that earlier segments of the round read (the plan
-    recycles a copy slot once its last reader ran; in one forward every copy runs before attention)."""
+    """Whether ``segment``'s copies write a slot that earlier segments of the round read or write (the
+    plan recycles a copy slot once its last reader ran, and may re-rotate a birth in place after its
+    last reader; in one forward every copy runs before attention)."""
     return segment.copies.size > 0 and bool(np.isin(segment.copies.dst, np.concatenate(reads)).any())
 
 

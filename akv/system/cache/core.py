@@ -99,15 +99,16 @@ class CacheCore:
         return self.tree.epoch
 
     def match(self, program: ContextProgram, namespace: str = "", *, cold: bool = False,
-              compact: bool = False, in_place: bool = False) -> Draft:
+              compact: bool = False, in_place: bool = False, births_in_place: bool = False) -> Draft:
         """Match ``program`` against the tree and plan it; takes nothing. ``cold`` plans as if the
         tree were empty (everything recomputed); ``compact`` makes a compact plan (module docstring),
-        ``in_place`` an in-place plan (:mod:`akv.system.cache.occurrence`); their in-place versions
-        hold only while nothing else takes a reference before commit (:meth:`contested`)."""
+        ``in_place`` an in-place plan (:mod:`akv.system.cache.occurrence`), ``births_in_place`` one
+        that rotates the request's own births in place too; their in-place tree versions hold only
+        while nothing else takes a reference before commit (:meth:`contested`)."""
         key = program_key(program, namespace)
         match = MatchResult.empty() if cold else self.resident(key)
         takeable = self.tree.exclusive(key, match) if (compact or in_place) and match.n_tokens else None
-        plan = plan_occurrences(program, match, compact=compact, takeable=takeable)
+        plan = plan_occurrences(program, match, compact=compact, takeable=takeable, births_in_place=births_in_place)
         return Draft(program, key, match, plan, self.tree.epoch)
 
     def resident(self, key: RecordKey) -> MatchResult:
@@ -191,10 +192,12 @@ class CacheCore:
         request.births[tokens] = slots
 
     def admit(self, program: ContextProgram, namespace: str = "", *, compact: bool = False,
-              in_place: bool = False) -> ActiveRequest:
-        """Match, commit and allocate every birth (``compact`` / ``in_place``: as :meth:`match`). The
-        returned plan has only real slots, and its ``fresh`` lists the copy slots and the births."""
-        return self.admit_draft(self.match(program, namespace, compact=compact, in_place=in_place))
+              in_place: bool = False, births_in_place: bool = False) -> ActiveRequest:
+        """Match, commit and allocate every birth (``compact`` / ``in_place`` / ``births_in_place``: as
+        :meth:`match`). The returned plan has only real slots, and its ``fresh`` lists the copy slots
+        and the births."""
+        return self.admit_draft(self.match(program, namespace, compact=compact, in_place=in_place,
+                                           births_in_place=births_in_place))
 
     def admit_draft(self, draft: Draft) -> ActiveRequest:
         """:meth:`admit` of a draft :meth:`match` planned against the tree as it still is."""

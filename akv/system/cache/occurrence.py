@@ -34,6 +34,13 @@ An *in-place* plan (``takeable`` given, ``compact`` off) rotates takeable versio
 same rule but keeps every birth in its own slot: safe for an engine that runs several segments of a
 request in one forward (all their births written, then all their copies, then each segment's
 attention), as the patched SGLang server does.
+
+With ``births_in_place`` (not compact) a copy whose source is one of the request's own births (or
+its own earlier in-place rotation of one) rotates that slot where it is as well: no later step reads
+the older position (positions only decrease), so only the segments before the copy's step read it,
+and an engine must finish their forward before it runs the copy (the patched server ends a round
+there: :func:`akv.system.adapter.scheduling.cap_extend`). Such a plan allocates its births and the
+copies of tree versions that must stay readable, nothing more: on an empty tree, its births alone.
 """
 
 from __future__ import annotations
@@ -137,15 +144,16 @@ def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
 
 
 def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bool = False,
-                     takeable: np.ndarray | None = None) -> DraftPlan:
+                     takeable: np.ndarray | None = None, births_in_place: bool = False) -> DraftPlan:
     """Plan ``program`` against the versions ``match`` found resident; ``compact`` (module docstring)
     recycles births; the versions ``takeable`` (``match.slots``' shape) marks are rotated in place
-    (compact or not: an in-place plan, module docstring)."""
+    (compact or not: an in-place plan, module docstring); ``births_in_place`` rotates the request's
+    own births in place too (module docstring; ignored by a compact plan)."""
     if match.n_tokens > program.n_tokens:
         raise ValueError(f"match: {match.n_tokens} matched tokens exceed the program's {program.n_tokens}")
     resident = match.resident
     computed = needed_queries(program, resident)
-    table = _VersionTable(program, match, takeable)
+    table = _VersionTable(program, match, takeable, births_in_place and not compact)
     stages = StagePositions(program)
     segments = []
     for step, span in enumerate(segment_spans(program, computed)):
@@ -209,9 +217,10 @@ def _last_stage_positions(program: ContextProgram, stage: int, tokens: np.ndarra
     return final if final.min(initial=0) >= 0 else None
 
 
-def cold_plan(program: ContextProgram, *, compact: bool = False) -> DraftPlan:
-    """The plan on an empty cache: everything read is computed here (the most slots it can need)."""
-    return plan_occurrences(program, MatchResult.empty(), compact=compact)
+def cold_plan(program: ContextProgram, *, compact: bool = False, births_in_place: bool = False) -> DraftPlan:
+    """The plan on an empty cache: everything read is computed here (``births_in_place``: module
+    docstring)."""
+    return plan_occurrences(program, MatchResult.empty(), compact=compact, births_in_place=births_in_place)
 
 
 def recycle_slots(created: np.ndarray, last_use: np.ndarray) -> tuple[np.ndarray, int]:
@@ -266,7 +275,8 @@ class _VersionTable:
     own per token: the birth version it computed and the latest copy it made. Positions only ever
     decrease from stage to stage, so an older copy is never read again by a later step."""
 
-    def __init__(self, program: ContextProgram, match: MatchResult, takeable: np.ndarray | None = None) -> None:
+    def __init__(self, program: ContextProgram, match: MatchResult, takeable: np.ndarray | None = None,
+                 births_in_place: bool = False) -> None:
         n, m = program.n_tokens, match.n_tokens
         tree_width = match.slots.shape[1]
         self.birth_col, self.copy_col = tree_width, tree_width + 1
@@ -280,6 +290,7 @@ class _VersionTable:
             self.takeable = np.zeros(self.slots.shape, dtype=bool)
             self.takeable[:m, :tree_width] = takeable & (match.slots >= 0)
         self._taken: list[np.ndarray] = []
+        self.births_in_place = births_in_place
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
         self.birth = program.birth_position
@@ -348,17 +359,20 @@ class _VersionTable:
         src_col = np.where(at_birth, birth_col, any_col)
         src = slots[miss, src_col]
         old = held[miss, src_col]
-        in_place = None if self.takeable is None else self.takeable[need, src_col] & ~self.used[need, src_col]
+        taken = (np.zeros(need.size, dtype=bool) if self.takeable is None
+                 else self.takeable[need, src_col] & ~self.used[need, src_col])
+        in_place = taken | (self.births_in_place & (src <= -2) & (src > -self._offset))  # own births
         self.used[need, src_col] = True
         self._touch(src, step)
-        if in_place is None or not in_place.any():
+        if not in_place.any():
             dst = self.fresh(need.size, step, pinned=pinned)
         else:
             dst = np.empty(need.size, dtype=np.int64)
             dst[~in_place] = self.fresh(int(np.count_nonzero(~in_place)), step, pinned=pinned)
             # the old version is gone once rotated: no later step may pick it as a source
             dst[in_place] = src[in_place]
-            self._taken.append(src[in_place])
+            if taken.any():
+                self._taken.append(src[taken])
             self.slots[need[in_place], src_col[in_place]] = _EMPTY
             self.positions[need[in_place], src_col[in_place]] = _EMPTY
         new = positions[miss]

@@ -1,0 +1,151 @@
+"""What :func:`akv.system.adapter.scheduling.attach` promises a context request (issue #28): it is
+refused only when the tokens an empty cache must compute (a brute force over its events) and SGLang's
+2 admission slots exceed the pool, never for its re-rotation copies; its new tokens are clipped to
+what that count leaves. The plan the server then executes
+(:meth:`akv.system.adapter.context_request.AkvRequest.plan_draft` with that room) holds no more than
+the room on any tree state, so a request alone on the server is always admitted (its commit and
+births never run out of slots and its new tokens fit after them), and it reads exactly the KV the
+brute force names."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from akv.system.adapter.context_request import AkvRequest
+from akv.system.adapter.scheduling import attach, cap_extend
+from akv.system.cache.core import CacheCore
+from akv.system.cache.occurrence import cold_plan
+from akv.system.cache.pool import SlotPool
+from akv.system.context.wire import encode_program
+from tests.cache.brute import Interner, SimulatedKV, Trace, brute_layout, brute_needed
+from tests.cache.conversations import conversations
+
+SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64, disaggregation_mode="null")
+SLACK = 2  # SGLang's admission: one page, and a strict bound
+
+
+def _attach(program, wanted: int | None, pool: int) -> tuple[str | None, SimpleNamespace]:
+    req = SimpleNamespace(origin_input_ids=program.token_ids.tolist(), extra_key=None, akv=None,
+                          sampling_params=SimpleNamespace(max_new_tokens=wanted))
+    return attach(req, SimpleNamespace(context_program=encode_program(program)), SERVER, pool_size=pool), req
+
+
+@settings(max_examples=150, deadline=None)
+@given(conversations(max_messages=8), st.integers(0, 12), st.one_of(st.none(), st.integers(0, 12)))
+def test_attach_refuses_and_clips_by_the_tokens_an_empty_cache_computes(conv, spare: int, wanted: int | None) -> None:
+    """Every turn: refused exactly when its brute-force count and the slack exceed the pool; else
+    granted ``min(wanted, pool - count - slack)`` new tokens. The cold plan with its births rotated in
+    place takes exactly that count (no copy slot), never more than the one-forward cold plan."""
+    for turn in range(conv.n_turns):
+        program = conv.program(turn)
+        need = brute_needed(program)
+        error, _ = _attach(program, wanted, need + SLACK - 1)
+        assert error is not None and error.startswith(f"messages: the prompt needs {need} KV slots")
+        assert error.endswith(f"more than the {need + SLACK - 1} this server holds")
+        error, req = _attach(program, wanted, need + SLACK + spare)
+        assert error is None, error
+        assert req.sampling_params.max_new_tokens == (spare if wanted is None else min(wanted, spare))
+        plan = cold_plan(program, births_in_place=True)
+        assert plan.n_slots == need and plan.n_copy_slots == 0 and need <= cold_plan(program).n_slots
+
+
+def _rounds(state: AkvRequest, n_tokens: int) -> list[list[int]]:
+    """The segments (indices) of each prefill round the scheduler's hook cuts, chunk budget unlimited."""
+    segments = state.plan_draft_segments()
+    req = SimpleNamespace(akv=state, full_untruncated_fill_ids=[0] * n_tokens)
+    req.set_extend_range = lambda lo, hi: setattr(req, "extend_range", SimpleNamespace(start=lo, end=hi))
+    rounds, i = [], 0
+    while i < len(segments):
+        req.set_extend_range(segments[i].start, n_tokens)
+        cap_extend(req)
+        j = i
+        while j < len(segments) and segments[j].start < req.extend_range.end:
+            j += 1
+        assert segments[j - 1].end == req.extend_range.end, "a round ends at a segment's end"
+        rounds.append(list(range(i, j)))
+        i = j
+    return rounds
+
+
+def _execute_in_rounds(kv: SimulatedKV, plan, rounds: list[list[int]], brute, pool: SlotPool) -> set[int]:
+    """Run ``plan`` on the brute-force KV as the patched server runs each round in one forward (per
+    layer: every segment's new KV written, then every copy, then each segment's attention), asserting
+    every read; the slots it touched."""
+    trace = Trace()
+    private = set(plan.fresh.tolist()) | {int(d) for j in plan.copies for s, d in zip(j.src, j.dst) if s == d}
+    for indices in rounds:
+        segments = [plan.segments[i] for i in indices]
+        for segment in segments:
+            for i, q in enumerate(range(segment.start, segment.end)):
+                kv._write(int(segment.slots[i]), (brute.names[q], brute.birth[q]), pool, trace, private)
+        for segment in segments:
+            kv._copy(segment.copies, brute, pool, trace, private)
+        for segment in segments:
+            indptr, indices_ = segment.visible_slots()
+            for i, q in enumerate(range(segment.start, segment.end)):
+                row = indices_[indptr[i] : indptr[i + 1]].tolist()
+                labels = {kv._read(slot, pool) for slot in row}
+                assert len(labels) == len(row) and labels == brute.reads[q], f"query {q} of a round reads {labels}"
+                trace.read_from.setdefault(q, set()).update(row)
+    kv._copy(plan.terminal.copies, brute, pool, trace, private)
+    labels = [kv._read(slot, pool) for slot in plan.terminal.slots.tolist()]
+    assert dict(zip(plan.terminal.tokens.tolist(), labels)) == brute.terminal
+    return trace.written | set(plan.terminal.slots.tolist()) | {s for slots in trace.read_from.values() for s in slots}
+
+
+@st.composite
+def served_turns(draw: st.DrawFn) -> tuple[list, list[tuple[int, int]], int]:
+    """Two conversations (the second a branch of the first) turn by turn in a random order, each turn
+    asking for a few new tokens and followed by a random eviction, and a pool from the smallest turn's
+    count to a little above the largest's (so some turns are refused)."""
+    convs = [draw(conversations(max_messages=8))]
+    convs.append(draw(conversations(max_messages=8, prefix=convs[0])))
+    order = draw(st.permutations([(i, t) for i, c in enumerate(convs) for t in range(c.n_turns)]))
+    needs = [brute_needed(c.program(t)) for c, t in ((convs[i], t) for i, t in order)]
+    pool = draw(st.integers(min(needs), max(needs) + 8))
+    return [(convs[i], t, draw(st.integers(0, 6)), draw(st.integers(0, 5))) for i, t in order], pool
+
+
+@settings(max_examples=200, deadline=None)
+@given(served_turns())
+def test_a_request_alone_on_the_server_always_fits_what_attach_promised(case) -> None:
+    """Turns served one at a time on a pool shared with the tree (finished turns published, random
+    evictions): each turn attach accepts is planned with the room its clipped new tokens leave; its
+    commit and births never run out of slots (the tree is evicted for them), its new tokens fit after,
+    the slots it touches (borrowed, copies, births, counted by the brute-force run) stay within the
+    room, and it copies births only where the one-forward plan would not fit. Run round by round as
+    the scheduler's hook cuts them, each round one forward (its births, then its copies, then its
+    attention), every read holds the KV the brute force names: a birth is re-rotated in place only in
+    a later forward than every segment that reads it at its old position."""
+    turns, size = case
+    kv = SimulatedKV()
+    pool = SlotPool(size, on_free=kv.forget)
+    core = CacheCore(pool)
+    intern = Interner()
+    for conv, turn, wanted, evict in turns:
+        program = conv.program(turn)
+        error, req = _attach(program, wanted, size)
+        if error is not None:
+            assert brute_needed(program) + SLACK > size
+            continue
+        granted = req.sampling_params.max_new_tokens
+        room = size - granted - SLACK
+        state = req.akv
+        draft = state.plan_draft(core, room=room)
+        one_forward = core.match(program, in_place=True)
+        rounds = _rounds(state, program.n_tokens)
+        request = core.admit_draft(draft)
+        touched = _execute_in_rounds(kv, request.plan, rounds, brute_layout(program, intern), pool)
+        assert len(touched) <= room, (len(touched), room)
+        new_slots = core.allocate(granted)  # decode's slots: the pool leaves them
+        pool.decref(new_slots)
+        held = one_forward.plan.n_births + one_forward.n_copy_slots + pool.n_distinct(one_forward.plan.plan.borrowed)
+        if held <= room:
+            assert draft.n_copy_slots == one_forward.n_copy_slots, "births rotated in place although copies fit"
+        core.finish(request)
+        core.tree.evict(evict)
+    core.flush()
+    assert pool.n_free == pool.size and not kv.content
