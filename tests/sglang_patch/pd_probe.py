@@ -102,12 +102,13 @@ def prefill_scheduler(buffers: MetadataBuffers, executor: Executor) -> SimpleNam
         tp_worker=SimpleNamespace(model_runner=runner))
 
 
-def decode_queues(buffers: MetadataBuffers) -> tuple[DecodePreallocQueue, DecodeTransferQueue]:
+def decode_queues(buffers: MetadataBuffers,
+                  window: int | None = None) -> tuple[DecodePreallocQueue, DecodeTransferQueue]:
     pool = DecodeReqToTokenPool(8, CONTEXT_LEN, "cpu", False, 8)
     allocator = TokenToKVPoolAllocator(DECODE_SLOTS, torch.float32, "cpu", None, False)
     scheduler = SimpleNamespace(server_args=SimpleNamespace(disaggregation_decode_enable_radix_cache=False,
                                                             disaggregation_transfer_backend="mooncake"),
-                                enable_hisparse=False, enable_decode_hicache=False, sliding_window_size=None)
+                                enable_hisparse=False, enable_decode_hicache=False, sliding_window_size=window)
     prealloc = object.__new__(DecodePreallocQueue)
     prealloc.req_to_token_pool, prealloc.token_to_kv_pool_allocator, prealloc.scheduler = pool, allocator, scheduler
     prealloc.token_to_kv_pool = SimpleNamespace()
@@ -211,18 +212,21 @@ def run_turn(core, free, kv, conv, turn, intern, n: int) -> dict:
 
 def refusals(conv: Conversation, turn: int) -> dict:
     """What the decode side does when the row is not this program's: another program's layout (the
-    prefill server compiled other ops), a plain request's row (no AKV prefill server)."""
+    prefill server compiled other ops), a plain request's row (no AKV prefill server); and with this
+    program's row on a model with a sliding window (the send list carries no window state)."""
     kv = SimulatedKV()
     core, free = _core(POOL, kv)
     state, send = _prefill(core, free, kv, conv, turn, Interner())
     out = {}
     other = conv.without_ops_from(0).program(turn)
-    for name, row_of in (("other_program", lambda b: send.metadata.write(b.cached_tokens[0])),
-                         ("plain_row", lambda b: None)):
+    cases = (("other_program", lambda b: send.metadata.write(b.cached_tokens[0]), None),
+             ("plain_row", lambda b: None, None),
+             ("sliding_window", lambda b: send.metadata.write(b.cached_tokens[0]), 128))
+    for name, row_of, window in cases:
         buffers = MetadataBuffers(1, hidden_size=8, hidden_states_dtype=torch.float32)
         buffers.output_ids[0][0] = FIRST_TOKEN
         row_of(buffers)
-        prealloc, transfer = decode_queues(buffers)
+        prealloc, transfer = decode_queues(buffers, window)
         program = other if name == "other_program" else conv.program(turn)
         dreq, error = decode_req(program, name, encode_program(program))
         assert error is None, error

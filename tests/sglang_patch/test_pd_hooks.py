@@ -154,6 +154,8 @@ def test_a_row_from_another_program_or_a_plain_prefill_is_refused(report: dict) 
     assert other["message"].startswith("server configuration: ")
     assert plain["aborted"] and plain["status"] == 400 and "did not send context-request metadata" in plain["message"]
     assert other["details"] is None and plain["details"] is None, "no usage reported for a refused transfer"
+    window = report["refusals"]["sliding_window"]
+    assert window["aborted"] and window["status"] == 400 and "without sliding-window" in window["message"]
 
 
 # ------------------------------------------------------------------ decode-side attach ---

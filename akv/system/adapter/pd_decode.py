@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from akv.system.adapter import lengths
+from akv.system.adapter.device import to_device
 from akv.system.adapter.disaggregation import DecodeLayout, PdMetadata, check_received
 from akv.system.cache.plan import Usage
 from akv.system.context.wire import WireError, decode_program
@@ -86,4 +87,4 @@ def decode_positions(batch: Any, positions: torch.Tensor) -> torch.Tensor:
     offsets = [0 if r.akv_pd is None else r.akv_pd.layout.offset for r in batch.reqs]
     if not any(offsets):
         return positions
-    return positions + torch.from_numpy(np.asarray(offsets, dtype=np.int64)).to(positions.device, positions.dtype)
+    return positions + to_device(np.asarray(offsets, dtype=np.int64), positions.device, positions.dtype)
