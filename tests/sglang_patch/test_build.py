@@ -17,6 +17,8 @@ from akv.system import _build
 
 PATCHED_FILES = {
     "sglang/_version.py",
+    "sglang/srt/disaggregation/decode.py",
+    "sglang/srt/disaggregation/prefill.py",
     "sglang/srt/entrypoints/anthropic/protocol.py",
     "sglang/srt/entrypoints/anthropic/serving.py",
     "sglang/srt/entrypoints/http_server.py",

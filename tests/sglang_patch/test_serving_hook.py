@@ -24,7 +24,8 @@ GOOD_SERVER = {"page_size": 1, "attention_backend": "triton", "prefill_attention
                "decode_attention_backend": None, "radix_cache_backend": "akv", "speculative_algorithm": None,
                "enable_hierarchical_cache": False, "enable_lora": None, "enable_mixed_chunk": False,
                "enable_dp_attention": False, "disable_radix_cache": False, "pp_size": 1,
-               "disaggregation_mode": "null"}
+               "disaggregation_mode": "null", "disaggregation_decode_enable_radix_cache": False,
+               "optimistic_prefill_attempts": 0}
 
 
 def _serving(chat_template_name: str | None = None, **server: object) -> SimpleNamespace:
@@ -82,13 +83,28 @@ def test_unsupported_request_modes_are_refused(request_fields: dict, multimodal:
         (None, {"enable_mixed_chunk": True}, r"server configuration: enable_mixed_chunk"),
         (None, {"enable_dp_attention": True}, r"server configuration: enable_dp_attention"),
         (None, {"pp_size": 2}, r"server configuration: pp_size 2"),
-        (None, {"disaggregation_mode": "prefill"}, r"server configuration: disaggregation_mode 'prefill'"),
-        (None, {"disaggregation_mode": "decode"}, r"server configuration: disaggregation_mode 'decode'"),
+        (None, {"disaggregation_mode": "prefill", "optimistic_prefill_attempts": 2},
+         r"server configuration: optimistic_prefill_attempts \(optimistic prefill"),
+        (None, {"disaggregation_mode": "decode", "radix_cache_backend": None, "disable_radix_cache": True,
+                "disaggregation_decode_enable_radix_cache": True},
+         r"server configuration: disaggregation_decode_enable_radix_cache \(a decode-side radix cache\)"),
+        (None, {"disaggregation_mode": "prefill", "radix_cache_backend": None},
+         "server configuration: radix_cache_backend None cannot execute"),
     ],
 )
 def test_unsupported_server_setups_are_refused(template: str | None, server: dict, message: str) -> None:
     with pytest.raises(UnsupportedContextRequest, match=message):
         prepare_context_request(_serving(template, **server), _request(drop_message={"1": [0]}), False)
+
+
+@pytest.mark.parametrize("server", [
+    {"disaggregation_mode": "prefill"},
+    # a decode server as launch_server starts it: SGLang's chunk cache, no AKV radix cache
+    {"disaggregation_mode": "decode", "radix_cache_backend": None, "disable_radix_cache": True},
+])
+def test_both_servers_of_a_pd_pair_accept_context_requests(server: dict) -> None:
+    prepared = prepare_context_request(_serving(None, **server), _request(drop_message={"1": [0]}), False)
+    assert prepared is not None
 
 
 def test_refusals_are_value_errors_so_sglang_answers_400() -> None:

@@ -52,12 +52,6 @@ class DecodeLayout:
     def offset(self) -> int:
         return self.next_position - self.visible
 
-    def fill_len(self, n_output: int) -> int:
-        """Slots the decode server allocates before the transfer (SGLang's ``_pre_alloc_fill_len``
-        with ``V`` for the prompt): the received columns, plus the generated tokens whose KV already
-        exists (all but the last one)."""
-        return self.visible + max(n_output - 1, 0)
-
 
 @dataclass(frozen=True)
 class PrefillSend:
@@ -121,9 +115,9 @@ def check_received(expected: DecodeLayout, received: PdMetadata | None) -> str |
     """Why the decode server must not serve what arrived (None when it may): the prefill server sent
     a plain request's row, or compiled another program (another ``V`` or ``next_position``)."""
     if received is None:
-        return "AKV: the prefill server did not send context-request metadata (is it the AKV build?)"
+        return "server configuration: the prefill server did not send context-request metadata (is it the AKV build?)"
     if received.layout != expected:
-        return (f"AKV: the prefill server sent V={received.layout.visible}, next_position="
+        return (f"server configuration: the prefill server sent V={received.layout.visible}, next_position="
                 f"{received.layout.next_position}; this server compiled V={expected.visible}, "
                 f"next_position={expected.next_position}")
     return None

@@ -92,8 +92,11 @@ def input_tokens(obj: Any, input_ids: list[int] | None) -> int:
 
 def held_length(req: Any) -> int:
     """What the scheduler's ``max_new_tokens`` clip counts as the input: a context request's live
-    length (its text's columns are clipped by :func:`akv.system.adapter.scheduling.attach`)."""
-    state = getattr(req, "akv", None)
+    length (its text's columns are clipped by :func:`akv.system.adapter.scheduling.attach`); on a PD
+    decode server, the program's next position."""
+    state, pd = getattr(req, "akv", None), getattr(req, "akv_pd", None)
+    if pd is not None:
+        return pd.layout.next_position
     return len(req.origin_input_ids) if state is None else live_length(state.base)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from akv.system.adapter import lengths
+from akv.system.adapter import lengths, pd_decode
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
 from akv.system.cache.occurrence import cold_plan
@@ -24,8 +24,7 @@ births + new tokens + one page must stay strictly below the pool)."""
 
 def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_len: int | None = None) -> str | None:
     """Give ``req`` its AKV state from the tokenized request; an error message (HTTP 400) when the
-    program is malformed, the server cannot execute it (a prefill or decode server of a PD pair cannot
-    yet), its live length does not fit ``context_len``
+    program is malformed, the server cannot execute it, its live length does not fit ``context_len``
     (:func:`akv.system.adapter.lengths.request_problem`) or its KV could never fit the pool (one
     that does not fit now waits in SGLang's queue, its copy slots counted by :func:`extra_budget`).
     Like SGLang's ``init_req_max_new_tokens`` for a plain prompt, ``max_new_tokens`` is clipped so that
@@ -34,18 +33,18 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
     behind it. On an idle server, with nothing resident that it can reuse, the least a request can
     hold is its births (every token something reads, computed once) re-rotated in place: the plan
     the server falls back to when its copies do not fit beside its new tokens
-    (:meth:`akv.system.adapter.context_request.AkvRequest.plan_draft`)."""
+    (:meth:`akv.system.adapter.context_request.AkvRequest.plan_draft`). On a PD decode server it gets
+    its decode-side state instead (:func:`akv.system.adapter.pd_decode.attach`)."""
     data = getattr(recv_req, "context_program", None)
     if data is None:
         return None
+    if server_args.disaggregation_mode == "decode":
+        return pd_decode.attach(req, data, server_args, context_len)
     if server_args.radix_cache_backend != REQUIRED_RADIX_CACHE_BACKEND:
         return (f"server configuration: radix_cache_backend {server_args.radix_cache_backend!r} cannot execute "
                 "drop_message/reposition (start with python -m akv.system.launch_server)")
     if not server_args.chunked_prefill_size or server_args.chunked_prefill_size <= 0:
         return "server configuration: drop_message/reposition need chunked prefill (--chunked-prefill-size > 0)"
-    if server_args.disaggregation_mode != "null":
-        return (f"server configuration: drop_message/reposition are not executed with --disaggregation-mode "
-                f"{server_args.disaggregation_mode} yet (plain requests are; the README's PD section says what is missing)")
     try:
         program = decode_program(data)
     except WireError as exc:

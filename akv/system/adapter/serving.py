@@ -40,6 +40,7 @@ _UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
     ("enable_mixed_chunk", "mixed chunked prefill"),
     ("enable_dp_attention", "DP attention"),
     ("disable_radix_cache", "a disabled radix cache"),
+    ("optimistic_prefill_attempts", "optimistic prefill on a PD prefill server"),
 )
 
 
@@ -227,8 +228,10 @@ def _check_renderer(chat_template_name: str | None, chat_encoding_spec: str | No
 
 
 def _check_server(server_args: Any) -> None:
+    # a PD decode server receives a context request's KV: SGLang's chunk cache holds it, no AKV cache
+    decode = getattr(server_args, "disaggregation_mode", "null") == "decode"
     for name, what in _UNSUPPORTED_OPTIONS:
-        if getattr(server_args, name, None):
+        if getattr(server_args, name, None) and not (decode and name == "disable_radix_cache"):
             raise UnsupportedContextRequest(
                 f"server configuration: {name} ({what}) is not supported with drop_message/reposition", name
             )
@@ -237,13 +240,12 @@ def _check_server(server_args: Any) -> None:
             f"server configuration: pp_size {server_args.pp_size!r} is not supported with drop_message/reposition",
             "pp_size",
         )
-    if getattr(server_args, "disaggregation_mode", "null") != "null":
-        raise UnsupportedContextRequest(
-            f"server configuration: disaggregation_mode {server_args.disaggregation_mode!r} does not execute "
-            "drop_message/reposition yet (plain requests are served; the README's PD section says what is missing)",
-            "disaggregation_mode",
-        )
-    if server_args.radix_cache_backend != REQUIRED_RADIX_CACHE_BACKEND:
+    if decode:
+        if server_args.disaggregation_decode_enable_radix_cache:
+            raise UnsupportedContextRequest(
+                "server configuration: disaggregation_decode_enable_radix_cache (a decode-side radix cache) is not "
+                "supported with drop_message/reposition", "disaggregation_decode_enable_radix_cache")
+    elif server_args.radix_cache_backend != REQUIRED_RADIX_CACHE_BACKEND:
         raise UnsupportedContextRequest(
             f"server configuration: radix_cache_backend {server_args.radix_cache_backend!r} cannot execute "
             f"drop_message/reposition (needs {REQUIRED_RADIX_CACHE_BACKEND!r}; start with python -m akv.system.launch_server)",
