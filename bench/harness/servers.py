@@ -23,9 +23,15 @@ from bench.harness import client
 ROOT = Path(__file__).resolve().parents[2]
 CPU_SHIMS = ROOT / "tests" / "sglang_cpu" / "site"
 """The CPU shims every SGLang server on the CPU imports first (tests/sglang_cpu)."""
+CPU_KV_SPLITS = 1
+"""Triton decode attention's KV splits on the CPU (SGLang's default 8): the interpreter runs every
+split's program in turn, and one split cut a scheduler test's time by 30%; the results differ by float
+rounding only (the split-K merge). One mode of tests/sglang_cpu/test_scheduler.py's matrix keeps 8."""
 CPU_BASE = ["--device", "cpu", "--dtype", "float32", "--disable-cuda-graph", "--sampling-backend", "pytorch",
-            "--mem-fraction-static", "0.5", "--enable-cache-report"]
-"""Every CPU server: FP32 (the reference server's arithmetic), no CUDA graphs, PyTorch sampling."""
+            "--mem-fraction-static", "0.5", "--enable-cache-report", "--triton-attention-num-kv-splits",
+            str(CPU_KV_SPLITS)]
+"""Every CPU server: FP32 (the reference server's arithmetic), no CUDA graphs, PyTorch sampling,
+:data:`CPU_KV_SPLITS`."""
 
 
 def free_port() -> int:

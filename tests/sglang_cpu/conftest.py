@@ -20,6 +20,7 @@ import pytest
 
 from akv.system.models.tiny import make_tiny_model
 from akv.system.reference_server import Engine, ReferenceServer
+from bench.harness.servers import CPU_KV_SPLITS
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -59,7 +60,8 @@ def serve_parts(site: Path, model: Path, parts: list[list[dict]], *, overlap: bo
 
 SERVER_ARGS = ["--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--disable-cuda-graph",
                "--sampling-backend", "pytorch", "--max-total-tokens", "4096", "--chunked-prefill-size", "16",
-               "--skip-server-warmup", "--mem-fraction-static", "0.5"]
+               "--skip-server-warmup", "--mem-fraction-static", "0.5", "--triton-attention-num-kv-splits",
+               str(CPU_KV_SPLITS)]
 """The CPU flags of a whole patched server (``python -m akv.system.launch_server``) on the tiny model."""
 
 

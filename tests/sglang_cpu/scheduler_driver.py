@@ -41,6 +41,8 @@ sys.path.insert(0, str(HERE.parent / "cache"))
 import cpu_shim  # noqa: E402
 import flashinfer_probe  # noqa: E402
 
+from bench.harness.servers import CPU_KV_SPLITS  # noqa: E402
+
 JOB = json.loads(sys.stdin.read())
 os.environ.update({key: str(value) for key, value in JOB.get("env", {}).items()})  # before SGLang reads them
 os.environ["TRITON_INTERPRET"] = "1"
@@ -198,7 +200,8 @@ class Driver:
             model_path=model, device="cpu", attention_backend="triton", sampling_backend="pytorch", page_size=1,
             dtype="float32", disable_cuda_graph=True, disable_overlap_schedule=not overlap,
             chunked_prefill_size=chunk, max_total_tokens=max_total_tokens, max_running_requests=8,
-            skip_server_warmup=True, radix_cache_backend=backend, mem_fraction_static=0.5, **extra_args,
+            skip_server_warmup=True, radix_cache_backend=backend, mem_fraction_static=0.5,
+            **{"triton_attention_num_kv_splits": CPU_KV_SPLITS, **extra_args},
         )
         set_global_server_args_for_scheduler(args)
         ports = PortArgs.init_new(args)

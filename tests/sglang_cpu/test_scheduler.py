@@ -32,8 +32,10 @@ LOGIT_TOLERANCE = 1e-5
 MODES = {
     "normal-chunk4": {"chunk": 4},
     "normal-chunk64": {"chunk": 64, "env": {"AKV_TP_PLAN_CHECK": "1"}},  # the TP plan check's path at world size 1
-    "overlap-chunk4": {"chunk": 4, "overlap": True},
+    "overlap-chunk4": {"chunk": 4, "overlap": True, "server_args": {"triton_attention_num_kv_splits": 8}},
 }
+"""The other tests' schedulers decode with one KV split (bench.harness.servers.CPU_KV_SPLITS);
+overlap-chunk4 keeps SGLang's default 8, so the split-K path over AKV's KV lists stays checked."""
 
 
 @pytest.fixture(scope="session")
