@@ -32,7 +32,7 @@ import pytest
 
 from akv.system import _build
 
-from .conftest import SERVER_ARGS, STRICT, Server, _stop, free_port, wait_until_up
+from .conftest import SERVER_ARGS, STRICT, Server, _stop, free_port, healthy_workers, wait_until_up
 from .mooncake_cpu import MooncakeCpu, prepare
 from http_client import post_text
 
@@ -155,14 +155,6 @@ def test_usage_equals_the_reference_servers(served: list) -> None:
     assert repeat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the repeat reuses the prefill server's cache"
 
 
-def _healthy_workers(router: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{router}/workers", timeout=5) as response:
-            return sum(bool(w.get("is_healthy")) for w in json.loads(response.read())["workers"])
-    except OSError:
-        return 0
-
-
 @pytest.fixture(scope="module")
 def router(pair: tuple[Server, Server, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """smg in PD mode in front of the pair (its URL)."""
@@ -178,7 +170,7 @@ def router(pair: tuple[Server, Server, int], tmp_path_factory: pytest.TempPathFa
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
-        while _healthy_workers(url) < 2:
+        while healthy_workers(url) < 2:
             assert process.poll() is None and time.time() < deadline, log_path.read_text()[-4000:]
             time.sleep(1)
         yield url

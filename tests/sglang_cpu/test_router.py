@@ -27,7 +27,7 @@ import pytest
 from akv.agent import ROUTING_HEADER, routing_key
 from akv.system.reference_server import Engine, ReferenceServer
 
-from .conftest import ROOT, Server, free_port, patched_servers
+from .conftest import ROOT, Server, free_port, healthy_workers, patched_servers
 from .test_http import post
 from http_client import exchange
 
@@ -56,14 +56,6 @@ def conversation(name: str, turn: int) -> dict[str, Any]:
 def server_info(url: str) -> dict[str, int]:
     with urllib.request.urlopen(f"{url}/server_info", timeout=60) as response:
         return json.loads(response.read())["internal_states"][0]["akv"]
-
-
-def healthy_workers(router: str) -> int:
-    try:
-        with urllib.request.urlopen(f"{router}/workers", timeout=5) as response:
-            return sum(bool(w.get("is_healthy")) for w in json.loads(response.read())["workers"])
-    except OSError:
-        return 0
 
 
 @pytest.fixture(scope="module")

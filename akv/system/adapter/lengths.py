@@ -12,7 +12,7 @@ from typing import Any
 from akv.system.adapter.serving import UnsupportedContextRequest
 from akv.system.context.limits import live_length, live_length_problem
 from akv.system.context.program import ContextProgram
-from akv.system.context.wire import encode_program
+from akv.system.context.wire import WireError, decode_program, encode_program
 
 TEXT_TOKENS_ENV = "AKV_MAX_TEXT_TOKENS"
 TEXT_FACTOR = 4
@@ -62,6 +62,22 @@ def request_problem(program: ContextProgram, max_new_tokens: int | None, context
         return (f"the text has {program.n_tokens} tokens, more than the {limit - 1} this server holds for one "
                 f"request (live length {live_length(program)}; raise {TEXT_TOKENS_ENV} on the server)")
     return None
+
+
+def request_program(req: Any, data: bytes, context_len: int | None) -> ContextProgram | str:
+    """The program ``data`` carries for SGLang's ``req``, or a 400 message: malformed, not the request's
+    tokens, or a live length over ``context_len`` (:func:`request_problem`)."""
+    try:
+        program = decode_program(data)
+    except WireError as exc:
+        return f"context_program: {exc}"
+    if program.token_ids.tolist() != list(req.origin_input_ids):
+        return "context_program: its tokens differ from the request's input_ids"
+    if context_len is not None:
+        problem = request_problem(program, None, context_len)
+        if problem is not None:
+            return f"messages: {problem}"
+    return program
 
 
 def encode_checked(program: ContextProgram | None, sampling_params: dict[str, Any],

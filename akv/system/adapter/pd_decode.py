@@ -24,7 +24,6 @@ from akv.system.adapter import lengths
 from akv.system.adapter.device import to_device
 from akv.system.adapter.disaggregation import DecodeLayout, PdMetadata, check_received
 from akv.system.cache.plan import Usage
-from akv.system.context.wire import WireError, decode_program
 
 
 class PdDecodeRequest:
@@ -44,16 +43,9 @@ def attach(req: Any, data: bytes, server_args: Any, context_len: int | None) -> 
     if server_args.disaggregation_decode_enable_radix_cache:
         return ("server configuration: drop_message/reposition are not served with "
                 "--disaggregation-decode-enable-radix-cache (disaggregation_decode_enable_radix_cache)")
-    try:
-        program = decode_program(data)
-    except WireError as exc:
-        return f"context_program: {exc}"
-    if program.token_ids.tolist() != list(req.origin_input_ids):
-        return "context_program: its tokens differ from the request's input_ids"
-    if context_len is not None:
-        problem = lengths.request_problem(program, None, context_len)
-        if problem is not None:
-            return f"messages: {problem}"
+    program = lengths.request_program(req, data, context_len)
+    if isinstance(program, str):
+        return program
     req.akv_pd = PdDecodeRequest(DecodeLayout.of(program), len(req.origin_input_ids))
     req.origin_input_ids = array("q", program.token_ids[program.keep].tolist())
     return None

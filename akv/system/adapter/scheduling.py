@@ -15,7 +15,6 @@ from akv.system.adapter import lengths, pd_decode
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
 from akv.system.cache.occurrence import cold_plan
-from akv.system.context.wire import WireError, decode_program
 
 ADMISSION_SLACK = 2
 """Slots SGLang's admission needs on an idle server beyond a request's own (``PrefillAdder.add_one_req``:
@@ -45,17 +44,11 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
                 "drop_message/reposition (start with python -m akv.system.launch_server)")
     if not server_args.chunked_prefill_size or server_args.chunked_prefill_size <= 0:
         return "server configuration: drop_message/reposition need chunked prefill (--chunked-prefill-size > 0)"
-    try:
-        program = decode_program(data)
-    except WireError as exc:
-        return f"context_program: {exc}"
-    if program.token_ids.tolist() != list(req.origin_input_ids):
-        return "context_program: its tokens differ from the request's input_ids"
+    program = lengths.request_program(req, data, context_len)
+    if isinstance(program, str):
+        return program
     wanted = req.sampling_params.max_new_tokens
     if context_len is not None:
-        problem = lengths.request_problem(program, None, context_len)
-        if problem is not None:
-            return f"messages: {problem}"
         columns = lengths.text_limit(context_len) - program.n_tokens
         wanted = columns if wanted is None else min(wanted, columns)
     fits = wanted is not None and program.n_tokens + wanted + ADMISSION_SLACK <= pool_size  # births at most
