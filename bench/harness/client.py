@@ -105,15 +105,20 @@ def prefill_breakdown(before: dict[str, float], after: dict[str, float], request
     return out
 
 
-def flush_cache(url: str, timeout: float = 60.0) -> int:
-    """``POST /flush_cache``: its status (SGLang refuses while requests run); OSError where the server
-    cannot be reached."""
-    request = urllib.request.Request(f"{url}/flush_cache", data=b"", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+def flush_cache(url: str, timeout: float = 60.0, wait_s: float = 10.0) -> int:
+    """``POST /flush_cache``: its status; OSError where the server cannot be reached. SGLang refuses
+    while its scheduler is not fully idle, which lasts a moment after the last reply arrives: a refusal
+    is tried again for up to ``wait_s`` seconds, and the last status returned."""
+    deadline = time.time() + wait_s
+    while True:
+        request = urllib.request.Request(f"{url}/flush_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            if time.time() >= deadline:
+                return exc.code
+        time.sleep(0.2)
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> None:

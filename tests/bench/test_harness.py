@@ -100,3 +100,33 @@ def test_akv_counters_are_read_from_metrics_and_differenced_per_request(tmp_path
     per = client.prefill_breakdown(before, got, requests=2)
     assert per == {"admission_ms": 200.0, "wait_ms": 0.0, "rounds_ms": 0.0, "forward_ms": 100.0, "copy_ms": 0.0,
                    "host_ms": 2.0, "forwards": 1.0, "kernel_first_launches": 0.0}
+
+
+@pytest.mark.parametrize("refusals, wait_s, expected", [(3, 10.0, 200), (1000, 0.5, 400)])
+def test_a_flush_refused_while_the_scheduler_settles_is_tried_again(refusals: int, wait_s: float,
+                                                                    expected: int) -> None:
+    """SGLang answers ``/flush_cache`` with a 400 until its scheduler is fully idle, a moment after the
+    last reply (the next-turn dry run failed on it once): the flush is tried again, within ``wait_s``."""
+    import http.server
+    import threading
+
+    posts = []
+
+    class Flush(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server hook
+            posts.append(self.path)
+            self.send_response(400 if len(posts) <= refusals else 200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Flush)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        status = client.flush_cache(f"http://127.0.0.1:{server.server_port}", wait_s=wait_s)
+    finally:
+        server.shutdown()
+    assert status == expected and set(posts) == {"/flush_cache"}
+    assert len(posts) == refusals + 1 if expected == 200 else len(posts) > 1
