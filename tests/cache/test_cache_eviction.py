@@ -87,6 +87,17 @@ def assert_counts_agree(tree: RadixTree) -> None:
                 assert (got == want).all(), f"node {n.uid}: incremental ranks differ from a full recount"
 
 
+def publish_turn(core: CacheCore, conv: Conversation, turn: int, with_reply: bool) -> Published:
+    """Serve ``conv``'s ``turn`` (with its reply or not) and publish it; its recorded path and terminal positions."""
+    program = conv.program(turn)
+    request = core.admit(program)
+    reply = conv.reply(turn) if with_reply else np.zeros(0, np.int64)
+    core.finish(request, reply, core.allocate(reply.size))
+    key = program_key(program).with_tokens(reply)
+    terminal = np.concatenate([program.final_position, program.next_position + np.arange(reply.size)])
+    return tuple(key.records.tolist()), terminal
+
+
 @st.composite
 def published_histories(draw: st.DrawFn) -> tuple[list[Conversation], list[tuple[int, int, bool]]]:
     base = draw(conversations())
@@ -105,13 +116,7 @@ def test_eviction_order_matches_brute_force(scenario: tuple[list[Conversation], 
     core = CacheCore(pool)
     published: list[Published] = []
     for i, turn, with_reply in turns:
-        program = convs[i].program(turn)
-        request = core.admit(program)
-        reply = convs[i].reply(turn) if with_reply else np.zeros(0, np.int64)
-        core.finish(request, reply, core.allocate(reply.size))
-        key = program_key(program).with_tokens(reply)
-        terminal = np.concatenate([program.final_position, program.next_position + np.arange(reply.size)])
-        published.append((tuple(key.records.tolist()), terminal))
+        published.append(publish_turn(core, convs[i], turn, with_reply))
     ranks = brute_ranks(recorded(core.tree, published), resident_cells(core.tree, published))
     got = core.tree.ranks()
     for rank in (DROPPED, STALE, 2):
@@ -155,19 +160,7 @@ def test_spare_slots_are_what_the_dropped_and_stale_ranks_free(
     freed: list[int] = []
     pool = SlotPool(2000, on_free=lambda slots: freed.extend(slots.tolist()))
     core = CacheCore(pool)
-    published: list[Published] = []
-
-    def publish(i: int, turn: int, with_reply: bool) -> None:
-        program = convs[i].program(turn)
-        request = core.admit(program)
-        reply = convs[i].reply(turn) if with_reply else np.zeros(0, np.int64)
-        core.finish(request, reply, core.allocate(reply.size))
-        key = program_key(program).with_tokens(reply)
-        terminal = np.concatenate([program.final_position, program.next_position + np.arange(reply.size)])
-        published.append((tuple(key.records.tolist()), terminal))
-
-    for i, turn, with_reply in turns:
-        publish(i, turn, with_reply)
+    published = [publish_turn(core, convs[i], turn, with_reply) for i, turn, with_reply in turns]
     cells = resident_cells(core.tree, published)
     ranks = brute_ranks(recorded(core.tree, published), cells)
     assert core.tree.n_spare() == sum(r < 2 for r in ranks.values())
@@ -185,7 +178,8 @@ def test_spare_slots_are_what_the_dropped_and_stale_ranks_free(
     assert core.tree.n_spare() == sum(r < 2 for s, r in ranks.items() if s not in held)
     # the freed slots are taken again (the free list hands out the last freed first); brute_ranks does
     # not know that a publication records its path again, so recount from a full walk of the tree
-    publish(*turns[-1])
+    i, turn, with_reply = turns[-1]
+    published.append(publish_turn(core, convs[i], turn, with_reply))
     assert core.tree.n_spare() == walked_spare(core.tree, held)
     pool.decref(np.array(sorted(held), dtype=np.int64))
     assert core.tree.n_spare() == walked_spare(core.tree, set())

@@ -101,19 +101,23 @@ def wait_until_up(process: subprocess.Popen, url: str, log_path: Path, timeout: 
 
 
 @contextmanager
-def patched_servers(site: Path, model: Path, log_dir: Path, count: int = 1,
-                    args: tuple[str, ...] = ()) -> Iterator[list[Server]]:
-    """``count`` patched servers on the tiny model (``SERVER_ARGS`` and ``args``), started side by side;
-    stopped on exit."""
-    env = {**os.environ, **STRICT, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(site), str(ROOT)])}
+def patched_servers(site: Path, model: Path, log_dir: Path, count: int = 1, args: tuple[str, ...] = (),
+                    each: list[tuple[str, ...]] | None = None,
+                    env: dict[str, str] | None = None) -> Iterator[list[Server]]:
+    """``count`` patched servers on the tiny model (``SERVER_ARGS`` and ``args``, then server i's
+    ``each[i]`` where given: ``each`` sets the count), started side by side; stopped on exit. ``env``:
+    the servers' environment (default: this process's, the strict memory checks, the CPU site)."""
+    if env is None:
+        env = {**os.environ, **STRICT, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(site), str(ROOT)])}
+    each = each if each is not None else [()] * count
     with ExitStack() as stack:
         servers = []
-        for i in range(count):
+        for i, own in enumerate(each):
             port = free_port()
             log_path = log_dir / f"server-{i}.log"
             log = stack.enter_context(open(log_path, "w"))
             command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(model), "--port", str(port),
-                       *SERVER_ARGS, *args]
+                       *SERVER_ARGS, *args, *own]
             process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             server = Server(f"http://127.0.0.1:{port}", process, log_path)
             stack.callback(_stop, server)

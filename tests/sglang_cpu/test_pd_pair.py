@@ -24,7 +24,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import pytest
 
 from akv.system import _build
 
-from .conftest import SERVER_ARGS, STRICT, Server, _stop, free_port, healthy_workers, wait_until_up
+from .conftest import STRICT, Server, free_port, healthy_workers, patched_servers
 from .mooncake_cpu import MooncakeCpu, prepare
 from http_client import post_text
 
@@ -79,23 +78,11 @@ def pair(patched_site: Path, tiny_qwen3: Path, mooncake: MooncakeCpu,
                         "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "false",
                         "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])})
     bootstrap = free_port()
-    modes = [("prefill", ["--disaggregation-bootstrap-port", str(bootstrap)]), ("decode", [])]
-    with ExitStack() as stack:
-        servers = []
-        for mode, extra in modes:
-            port = free_port()
-            log_path = logs / f"{mode}.log"
-            log = stack.enter_context(open(log_path, "w"))
-            command = [sys.executable, "-m", "akv.system.launch_server", "--model-path", str(tiny_qwen3),
-                       "--port", str(port), *SERVER_ARGS, "--served-model-name", "default",
-                       "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake_tcp", *extra]
-            process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            server = Server(f"http://127.0.0.1:{port}", process, log_path)
-            stack.callback(_stop, server)
-            servers.append(server)
-        for server in servers:
-            wait_until_up(server.process, f"{server.url}/health", server.log_path)
-        yield servers[0], servers[1], bootstrap
+    each = [("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)),
+            ("--disaggregation-mode", "decode")]
+    with patched_servers(patched_site, tiny_qwen3, logs, args=("--served-model-name", "default",
+                         "--disaggregation-transfer-backend", "mooncake_tcp"), each=each, env=env) as (prefill, decode):
+        yield prefill, decode, bootstrap
 
 
 def _result(status: int, text: str, streamed: bool) -> tuple[int, Any]:
