@@ -29,6 +29,9 @@ AKV_REPLAY_PREFILL_GRAPHS (0), AKV_REPLAY_PROTECT_LIVE (0; 1: the patched server
 akv_live_budget), AKV_REPLAY_MAX_RUNNING (0: SGLang's), AKV_REPLAY_PRIME (1: measure from the second request of each
 conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
 socket operation), AKV_REPLAY_OUT (default $OUT).
+
+``--merge A.json B.json [--out DIR]``: no run; the points of several device calls of one commit on one
+warm machine joined into one report (a later call's point replaces an earlier one's, and says so).
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ def env(name: str, default: str) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = cli.parser(None, __doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny model, CPU servers, tiny trajectories")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="RESULT",
+                   help="no run: join replay_suite.json files of one commit and one GPU (runs of a device call "
+                        "each, on one warm machine) into one report in --out; a later run's point replaces an "
+                        "earlier one's of the same method and concurrency, and the notes say so")
     p.add_argument("--out", type=Path, default=Path(env("AKV_REPLAY_OUT", env("OUT", "replay-out"))))
     p.add_argument("--logs", type=Path, default=Path(os.environ["AKV_BENCH_OUT"]) if os.environ.get("AKV_BENCH_OUT")
                    else None, help="server logs (default: $AKV_BENCH_OUT, else --out)")
@@ -162,6 +169,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.mem_fraction = args.mem_fraction or ("0.8" if together else "0.85")
     args.pool_tokens = args.pool_tokens or (150_000 if together and not args.dry_run else None)
     return args
+
+
+def suite_label(args: argparse.Namespace, machine_info: dict[str, Any]) -> str:
+    """What the run measured, in one line: the GPU it ran on (``machine_info`` as
+    :func:`bench.harness.results.machine` gives it), the servers, the pool and the trajectories."""
+    machine = ("CPU dry run, tiny random Qwen3 (FP32)" if args.dry_run
+               else f"{results.gpu_label(machine_info)}, Qwen3-8B shape, dummy weights, bf16")
+    pool = f", pool {args.pool_tokens} tokens each" if args.pool_tokens else ""
+    return (f"{machine}"
+            f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
+            f"({args.akv_backend} attention{', --akv-protect-live' if args.protect_live else ''}) for AKV, "
+            f"{args.servers}{pool}; thresholds {args.thresholds}, keep "
+            f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}"
+            f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
+            f"{args.max_output_tokens or 'none'}")
 
 
 def log(message: str, started: float) -> None:
@@ -271,6 +293,7 @@ def warm_up(server: Server, trajectories: list, filler: Any, args: argparse.Name
 
 def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -> None:
     result["ratios"] = ratios(result["rows"])
+    result["ratios_text_engineering"] = ratios(result["rows"], against="text_engineering")
     result["best"] = {m: best(result["rows"], m) for m in dict.fromkeys(r["method"] for r in result["rows"])}
     results.write(result, args.out / "replay_suite.json")
     (args.out / "replay_suite.md").write_text(markdown(result), encoding="utf-8")
@@ -363,6 +386,36 @@ class Suite:
         return time.time() + max(0.0, left) * runs_now / max(1, runs_now + runs_later)
 
 
+def merged(paths: list[Path]) -> tuple[dict[str, Any], list[int]]:
+    """The runs in ``paths`` as one result (see ``--merge``) and their concurrency levels; ValueError
+    naming the file when the runs differ in commit or GPU."""
+    runs = [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:]):
+        for key in ("commit", "machine"):
+            mine, theirs = (first[key]["gpus"], run[key]["gpus"]) if key == "machine" else (first[key], run[key])
+            if mine != theirs:
+                raise ValueError(f"--merge: {path} has {key} {theirs!r}, {paths[0]} has {mine!r}")
+    points: dict[tuple[str, int], dict[str, Any]] = {}
+    notes = [f"run {i + 1} ({path.name}, {run['date']}): {run['label']}" for i, (path, run) in enumerate(zip(paths, runs))]
+    for i, run in enumerate(runs):
+        notes += [f"run {i + 1}: {n}" for n in run.get("notes", [])]
+        for row in run["rows"]:
+            key = (row["method"], row["concurrency"])
+            if key in points and points[key].get("requests"):
+                notes.append(f"{key[0]} c={key[1]} measured again in run {i + 1}: {points[key]['output_tok_per_s']:.1f} "
+                             f"then {row.get('output_tok_per_s') or 0:.1f} output tok/s; the later is kept")
+            points[key] = row
+    rows = sorted(points.values(), key=lambda r: (r["server"] != "patched", r["concurrency"], r["method"]))
+    levels = sorted({r["concurrency"] for r in rows})
+    result = {**first, "merged_from": [{"file": p.name, "date": r["date"], "command": r["command"],
+                                        **{k: r[k] for k in ("device_command", "label_corrected") if k in r},
+                                        "knobs": r.get("knobs", {})} for p, r in zip(paths, runs)],
+              "rows": rows, "notes": notes, "label": first["label"] + f"; {len(runs)} runs joined"}
+    result.pop("total_s", None)
+    return result, levels
+
+
 def main(argv: list[str] | None = None, attached: dict[str, Server] | None = None) -> int:
     """``attached``: servers already running, by the name :func:`make_servers` gives them ("stock",
     "patched"), which this run uses instead of launching its own and does not stop (the replay
@@ -371,6 +424,16 @@ def main(argv: list[str] | None = None, attached: dict[str, Server] | None = Non
     started = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run.sh's timeout: stop the servers, keep the rows
     args = parse_args(argv)
+    if args.merge:
+        try:
+            result, levels = merged(args.merge)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"replay_suite: {e}", file=sys.stderr)
+            return 2
+        args.out.mkdir(parents=True, exist_ok=True)
+        write(args, result, levels)
+        print(markdown(result))
+        return 0
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     levels = args.levels
     log(f"settings {json.dumps(settings)}", started)
@@ -386,16 +449,10 @@ def main(argv: list[str] | None = None, attached: dict[str, Server] | None = Non
     trajectories, filler = serve_replay.with_messages(serve_replay.load_trajectories(prepared), prepared)
     log(f"{len(trajectories)} trajectories realized; {[(s.name, [m.name for m in ms]) for s, ms in phases]}; "
         f"concurrency {levels}; servers {args.servers}", started)
-    machine = "CPU dry run, tiny random Qwen3 (FP32)" if args.dry_run else "H200, Qwen3-8B shape, dummy weights, bf16"
-    label = (f"{machine}"
-             f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
-             f"({args.akv_backend} attention{', --akv-protect-live' if args.protect_live else ''}) for AKV, "
-             f"{args.servers}; thresholds {args.thresholds}, keep "
-             f"{args.keep}, {args.count} {args.preset} trajectories from turn {args.start_turn}"
-             f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
-             f"{args.max_output_tokens or 'none'}")
+    header = results.header("bench/replay_suite.py", argv)
+    label = suite_label(args, header["machine"])
     result: dict[str, Any] = {
-        **results.header("bench/replay_suite.py", argv),
+        **header,
         "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
         "settings": settings, "label": label,
         "goals": GOALS, "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}

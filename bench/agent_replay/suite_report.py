@@ -1,5 +1,6 @@
-"""The serving-replay suite's report: AKV vs Standard at equal concurrency next to the goals, each
-method at its own best concurrency, the markdown table and an SVG of throughput and P95 latency."""
+"""The serving-replay suite's report: AKV vs Standard (next to the goals) and vs Text Engineering at
+equal concurrency, each method at its own best concurrency, the markdown table and an SVG of
+throughput and P95 latency."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ GOALS = {"output_tok_per_s": 1.5, "latency_p95_s": 2.0}
 """AKV vs Standard at equal concurrency: output throughput at least 1.5x, P95 latency at least 2x lower."""
 
 
-def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per AKV row: AKV vs Standard at the same concurrency (output and input throughput as AKV/
-    Standard, P50/P95 latency and TTFT as Standard/AKV: above 1 is AKV better), next to the goals."""
-    standard = {r["concurrency"]: r for r in rows if r["method"] == "standard" and r.get("requests")}
+def ratios(rows: list[dict[str, Any]], against: str = "standard") -> list[dict[str, Any]]:
+    """Per AKV row: AKV vs ``against`` (a text method) at the same concurrency (output and input
+    throughput as AKV / it, P50/P95 latency and TTFT as it / AKV: above 1 is AKV better), next to the
+    goals (which are AKV vs Standard's)."""
+    bases = {r["concurrency"]: r for r in rows if r["method"] == against and r.get("requests")}
     out = []
     for row in rows:
-        base = standard.get(row["concurrency"])
+        base = bases.get(row["concurrency"])
         if not row["method"].startswith("akv") or base is None or not row.get("requests"):
             continue
         entry = {"method": row["method"], "concurrency": row["concurrency"]}
@@ -31,6 +33,19 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             entry["latency_p95_s"] >= GOALS["latency_p95_s"]
         out.append(entry)
     return out
+
+
+def ratio_lines(entries: list[dict[str, Any]], goals: bool) -> list[str]:
+    """Markdown rows of :func:`ratios`' entries, with the goal columns when ``goals``."""
+    lines = []
+    for q in entries:
+        cells = [q["method"], str(q["concurrency"]), *(
+            "-" if q[k] is None else f"{q[k]:.2f}x" for k in ("output_tok_per_s", "input_tok_per_s", "latency_p50_s",
+                                                              "latency_p95_s", "ttft_p50_s", "ttft_p95_s"))]
+        if goals:
+            cells += ["met" if q["meets_output_goal"] else "not met", "met" if q["meets_p95_goal"] else "not met"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def best(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
@@ -62,11 +77,12 @@ def markdown(result: dict[str, Any]) -> str:
               f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
               "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
               "| output goal | P95 goal |", "|" + "---|" * 10]
-    for q in result["ratios"]:
-        lines.append("| " + " | ".join([q["method"], str(q["concurrency"]), *(
-            "-" if q[k] is None else f"{q[k]:.2f}x" for k in ("output_tok_per_s", "input_tok_per_s", "latency_p50_s",
-                                                              "latency_p95_s", "ttft_p50_s", "ttft_p95_s")),
-            "met" if q["meets_output_goal"] else "not met", "met" if q["meets_p95_goal"] else "not met"]) + " |")
+    lines += ratio_lines(result["ratios"], goals=True)
+    if result.get("ratios_text_engineering"):
+        lines += ["", "AKV vs Text Engineering at equal concurrency (above 1: AKV better):", "",
+                  "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 |",
+                  "|" + "---|" * 8]
+        lines += ratio_lines(result["ratios_text_engineering"], goals=False)
     timed = [r for r in rows if r.get("akv_per_request")]
     if timed:
         lines += ["", "AKV server time per context request, ms (means over each run from the patched server's "

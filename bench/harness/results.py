@@ -46,6 +46,15 @@ def machine() -> dict[str, Any]:
             "load_average": [round(x, 2) for x in os.getloadavg()], "gpus": gpus}
 
 
+def gpu_label(machine_info: dict[str, Any]) -> str:
+    """The first GPU's name as ``nvidia-smi -L`` gives it, without its index and vendor ("H100 80GB
+    HBM3"), or "no GPU"."""
+    gpus = machine_info.get("gpus") or []
+    if not gpus:
+        return "no GPU"
+    return gpus[0].split(": ", 1)[-1].removeprefix("NVIDIA ")
+
+
 def header(entry: str, argv: list[str] | None = None) -> dict[str, Any]:
     """The fields every result starts with; ``entry`` is the script's path in the checkout and
     ``argv`` its arguments (default: this process's)."""

@@ -31,6 +31,17 @@ def test_the_header_names_the_command_commit_date_and_machine() -> None:
     assert head["machine"]["cpus"] == os.cpu_count() and len(head["machine"]["load_average"]) == 3
 
 
+@pytest.mark.parametrize("gpus, named, other", [(["GPU 0: NVIDIA H100 80GB HBM3"], "H100 80GB HBM3", "H200"),
+                                                 (["GPU 0: NVIDIA H200"], "H200", "H100")])
+def test_a_replay_suite_result_names_the_gpu_it_ran_on_and_its_pool(gpus: list[str], named: str, other: str) -> None:
+    from bench import replay_suite
+
+    args = replay_suite.parse_args(["--servers", "in-turn", "--pool-tokens", "300000"])
+    label = replay_suite.suite_label(args, {"gpus": gpus})
+    assert label.startswith(f"{named}, Qwen3-8B shape") and other not in label
+    assert "pool 300000 tokens each" in label
+
+
 def test_a_result_is_written_and_copied_to_out_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
     monkeypatch.setenv("OUT", str(out))

@@ -1,4 +1,5 @@
-"""The replay suite: AKV vs Standard ratios at equal concurrency against the goals, each method's
+"""The replay suite: AKV vs Standard (against the goals) and vs Text Engineering ratios at equal
+concurrency, --merge of runs from one machine, each method's
 best concurrency and the markdown table (hand-worked rows). Its CPU dry run end to end is in
 test_replay_sglang_cpu.py, on the servers that module starts for its own test too."""
 
@@ -59,3 +60,52 @@ def test_protect_live_starts_the_patched_server_with_the_flag(tmp_path, monkeypa
         stock, patched = replay_suite.make_servers(replay_suite.parse_args(["--dry-run", "--out", str(tmp_path / "o"),
                                                                              *flags]))
         assert ("--akv-protect-live" in patched.argv) == wanted and "--akv-protect-live" not in stock.argv
+
+
+def test_ratios_against_text_engineering_and_their_table():
+    rows = [*ROWS, _row("text_engineering", 16, 300.0, 16.0)]
+    got = report.ratios(rows, against="text_engineering")
+    assert [(q["concurrency"], q["output_tok_per_s"], q["latency_p95_s"]) for q in got] == [(16, 0.8, 0.5)]
+    result = {"command": "c", "label": "test", "rows": rows, "ratios": report.ratios(rows),
+              "ratios_text_engineering": got}
+    text = report.markdown(result)
+    assert "AKV vs Text Engineering" in text and "| akv_keep12 | 16 | 0.80x | 0.80x | 0.50x | 0.50x | 1.00x | 1.00x |" in text
+
+
+def _run(tmp_path, name, rows, gpu="GPU 0: NVIDIA H100 80GB HBM3", commit="abc", notes=()):
+    import json
+
+    path = tmp_path / name
+    path.write_text(json.dumps({"command": "python bench/replay_suite.py", "commit": commit, "date": "d",
+                                "machine": {"gpus": [gpu]}, "label": f"label {name}", "rows": rows,
+                                "notes": list(notes), "knobs": {}}))
+    return path
+
+
+def test_merge_joins_runs_of_one_machine_and_keeps_the_later_point(tmp_path):
+    from bench import replay_suite
+
+    first = _run(tmp_path, "a.json", [_row("akv_keep12", 8, 240.0, 5.0, "patched"), _row("standard", 8, 30.0, 30.0),
+                                      {**_row("text_engineering", 8, 0.0, 1.0), "requests": 0}],
+                 notes=["stock: text_engineering c=8 skipped"])
+    second = _run(tmp_path, "b.json", [_row("standard", 8, 40.0, 20.0), _row("text_engineering", 8, 200.0, 8.0)])
+    assert replay_suite.main(["--merge", str(first), str(second), "--out", str(tmp_path / "out")]) == 0
+    import json
+
+    got = json.loads((tmp_path / "out" / "replay_suite.json").read_text())
+    by = {(r["method"], r["concurrency"]): r for r in got["rows"]}
+    assert len(got["rows"]) == 3 and by[("standard", 8)]["output_tok_per_s"] == 40.0
+    assert by[("text_engineering", 8)]["output_tok_per_s"] == 200.0
+    assert [q["output_tok_per_s"] for q in got["ratios"]] == [6.0]
+    assert [q["output_tok_per_s"] for q in got["ratios_text_engineering"]] == [1.2]
+    assert any("standard c=8 measured again in run 2: 30.0 then 40.0" in n for n in got["notes"])
+    assert not any("text_engineering c=8 measured again" in n for n in got["notes"])  # run 1 had no requests there
+
+
+def test_merge_refuses_runs_of_different_gpus(tmp_path, capsys):
+    from bench import replay_suite
+
+    first = _run(tmp_path, "a.json", [_row("standard", 8, 30.0, 30.0)])
+    second = _run(tmp_path, "b.json", [_row("standard", 8, 40.0, 20.0)], gpu="GPU 0: NVIDIA H200")
+    assert replay_suite.main(["--merge", str(first), str(second), "--out", str(tmp_path / "out")]) == 2
+    assert "b.json has machine" in capsys.readouterr().err and not (tmp_path / "out").exists()
