@@ -27,6 +27,7 @@ import numpy as np
 from akv.system.adapter.prefill_timing import PrefillStats
 from akv.system.adapter.window_lists import segment_round_end
 from akv.system.cache.core import ActiveRequest, CacheCore, Draft
+from akv.system.cache.lifetimes import BirthLifetimes
 from akv.system.cache.occurrence import resolve_births
 from akv.system.cache.plan import CopyJob, Segment, Usage
 from akv.system.cache.pool import SlotPool
@@ -37,9 +38,11 @@ VISIBLE_ALWAYS = np.iinfo(np.int32).max
 """``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
 
 
-def _holds(draft: Draft, pool: SlotPool) -> int:
-    """Slots a request planned by ``draft`` holds at its peak: births, copy slots and borrowed versions."""
-    return draft.plan.n_births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
+def _holds(draft: Draft, pool: SlotPool, births: int | None = None) -> int:
+    """Slots a request planned by ``draft`` holds at its peak: births (all of them, else ``births``),
+    copy slots and borrowed versions."""
+    births = draft.plan.n_births if births is None else births
+    return births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
 
 
 class AkvRequest:
@@ -52,6 +55,7 @@ class AkvRequest:
         self.draft: Draft | None = None
         self._cold = False
         self._room: int | None = None
+        self.lifetimes: BirthLifetimes | None = None  # set when the draft's births are recycled
         self.active: ActiveRequest | None = None
         self.first_usage: Usage | None = None
         self.pinned: np.ndarray | None = None
@@ -87,13 +91,34 @@ class AkvRequest:
         return self.draft
 
     def _fitting_draft(self, core: CacheCore, cold: bool) -> Draft:
-        draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
-        if self._room is None or _holds(draft, core.pool) <= self._room:
-            return draft
-        draft = core.match(self.program, self.namespace, cold=cold, in_place=True, births_in_place=True)
-        if cold or _holds(draft, core.pool) <= self._room:
-            return draft
-        return core.match(self.program, self.namespace, cold=True, births_in_place=True)
+        """The first of the in-place plan, the same with births in place, and the cold one with births
+        in place whose births fit the room; else whose births recycled (their slots given back once
+        no later round reads them, rounds cut to hold :meth:`BirthLifetimes.single_peak`) fit it."""
+        self.lifetimes = None
+        tries = [{"cold": cold}, {"cold": cold, "births_in_place": True}]
+        if not cold:
+            tries.append({"cold": True, "births_in_place": True})
+        drafts = []
+        for kwargs in tries:
+            drafts.append(core.match(self.program, self.namespace, in_place=True, **kwargs))
+            if self._room is None or _holds(drafts[-1], core.pool) <= self._room:
+                return drafts[-1]
+        for draft in drafts:
+            self.lifetimes = BirthLifetimes.of(draft.plan.plan, self.program.n_tokens)
+            if _holds(draft, core.pool, self.lifetimes.single_peak()) <= self._room:
+                return draft
+        return draft
+
+    def birth_peak(self) -> int:
+        """Births the draft holds at once: all of them, or with recycling its fewest."""
+        assert self.draft is not None
+        return self.draft.plan.n_births if self.lifetimes is None else self.lifetimes.single_peak()
+
+    def free_dead(self, core: CacheCore, column: int) -> None:
+        """Before a round from ``column``: give back the births no round from there on reads (when
+        the request recycles them)."""
+        if self.lifetimes is not None and self.active is not None:
+            core.free_births(self.active, self.lifetimes.dead_before(column))
 
     @property
     def first_start(self) -> int:
