@@ -312,6 +312,22 @@ def copies_beyond_the_pool_waves() -> list[list[Request]]:
 
 
 
+def longer_than_the_pool_waves() -> list[list[Request]]:
+    """For a 200-slot pool: a conversation of two 10-token messages, then 15 turns of 40 tokens,
+    each dropping the turn two before it and repositioning, sent cold as one request (its text is
+    over 600 tokens, its live part about 100: each round holds the kept messages, the turn before
+    and its own); then the same aborted after two forwards, then again."""
+    conv = Conversation(120).add(10, 10)
+    for _ in range(15):
+        conv.add(40)
+        if len(conv.messages) > 4:
+            conv.drop(len(conv.messages) - 3)
+        conv.reposition()
+    long = conv.request("longer-than-pool", max_new=4)
+    return [[long], [Request("longer-than-pool-aborted", long.ids, long.program, max_new=4, abort_after_forwards=2)],
+            [Request("longer-than-pool-again", long.ids, long.program, max_new=4)]]
+
+
 def next_turn(conv: Conversation, first: Request, *lengths: int) -> Conversation:
     """``conv`` after ``first`` (one generated token, so nothing generated is cached): its generation
     prompt kept as a message, then new messages of ``lengths`` tokens."""
