@@ -337,7 +337,7 @@ def test_a_text_larger_than_the_pool_is_served_on_its_live_kv(near_the_pool_runs
     assert_exact(oracle_model, long, report["results"][long.rid])
     assert report["results"][aborted.rid]["finished"]["type"] == "abort"
     assert_exact(oracle_model, again, report["results"][again.rid])
-    assert report["audit"]["recycled_plans"] >= 2  # births went back to the pool mid-request
+    assert report["audit"]["recycled_plans"] >= 1  # births went back to the pool mid-request
     assert_pool_back(report)
 
 
