@@ -326,7 +326,8 @@ def protect_live_run(patched_site: Path, tiny_qwen3: Path) -> tuple[list, dict]:
                         audit=True, env={"AKV_PROTECT_LIVE": "1"})
 
 
-def test_a_text_larger_than_the_pool_is_served_on_its_live_kv(near_the_pool_runs: dict, oracle_model: ReferenceModel) -> None:
+def test_a_text_larger_than_the_pool_is_served_on_its_live_kv(near_the_pool_runs: dict,
+                                                             oracle_model: ReferenceModel) -> None:
     """Issue #30: a cold request whose text is three times the 200-slot pool but whose rounds hold
     at most 140 slots at once (births no later round reads go back to the pool) is served with the
     oracle's tokens and logits; another, aborted after two forwards (mid-prefill, births already

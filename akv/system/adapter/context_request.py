@@ -12,10 +12,12 @@ this request reads (no other request, no other tree path, no earlier segment of 
 re-rotated in its own slot and published at its new position; a copy is taken only where the old
 version must stay readable. A request's own births are copied too (all its segments run in one
 forward), unless that would not leave room for its new tokens: then its births are re-rotated in
-place as well, each such copy starting a new round. From its lock to its commit those versions are set aside
-(:meth:`akv.system.cache.core.CacheCore.reserve`): a request matched meanwhile does not read them at
-their old positions. A draft whose in-place version another request holds is planned again (it
-copies that version).
+place as well, each such copy starting a new round, and if even that does not fit, a birth no later
+round reads goes back to the pool before the next round, rounds cut so that each holds at most the
+fewest births the request can hold (:mod:`akv.system.cache.lifetimes`). From its lock to its
+commit those versions are set aside (:meth:`akv.system.cache.core.CacheCore.reserve`): a request
+matched meanwhile does not read them at their old positions. A draft whose in-place version another
+request holds is planned again (it copies that version).
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ class AkvRequest:
         (kept for later calls): the most slots the request may hold (the pool less its new tokens and
         admission's slack). A draft that would hold more (what it borrows as well as its births and
         copies) is planned again with its births re-rotated in place, and if that still holds more,
-        cold with its births in place: its births alone, which always fit
-        (:func:`akv.system.adapter.scheduling.attach`), else the request could never be admitted."""
+        cold with its births in place; if none fits, the first of them whose births fit when each is
+        given back once no later round reads it (:attr:`lifetimes`; the last, cold, always fits:
+        :func:`akv.system.adapter.scheduling.attach`), else the request could never be admitted."""
         if room is not None:
             self._room = room
         if self.pinned is not None and self.draft is not None:

@@ -1,9 +1,10 @@
 """Scheduler hooks: the program reaches ``Req``; a context request's prefill round runs every segment
 of a contiguous run of them in one forward (SGLang's chunk budget still cuts it), and stops only where
 the next segment starts after a gap of reused columns or, on a sliding-window model, at a segment's
-end, or before a segment that re-rotates KV an earlier one of the round reads; a request with more
-rounds continues in or beside SGLang's chunked-request slot; admission reserves copy slots and the
-rounds left of requests between rounds."""
+end, or before a segment that re-rotates KV an earlier one of the round reads, or (births recycled)
+where the round would hold more than the request's fewest births; a request with more rounds
+continues in or beside SGLang's chunked-request slot; admission reserves copy slots and the rounds
+left of requests between rounds, and counts recycled births at their peak, not the text."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
     admission's count on an idle server fits the pool, and so that the text with its new tokens fits a
     ``req_to_token`` row: a request that never fits would wait forever, and every request queued
     behind it. On an idle server, with nothing resident that it can reuse, the least a request can
-    hold is its births (every token something reads, computed once) re-rotated in place: the plan
-    the server falls back to when its copies do not fit beside its new tokens
+    hold is its births (every token something reads, computed once) re-rotated in place, each given
+    back once no later round reads it: per round, that round's births and the earlier ones still
+    read (:meth:`akv.system.cache.lifetimes.BirthLifetimes.single_peak`), the plan the server falls
+    back to when its births and copies do not fit beside its new tokens
     (:meth:`akv.system.adapter.context_request.AkvRequest.plan_draft`). On a PD decode server it gets
     its decode-side state instead (:func:`akv.system.adapter.pd_decode.attach`)."""
     data = getattr(recv_req, "context_program", None)
