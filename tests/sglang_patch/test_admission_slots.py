@@ -96,17 +96,20 @@ def _rounds(state: AkvRequest, n_tokens: int) -> list[list[int]]:
 
 
 def _serve_in_rounds(kv: SimulatedKV, state: AkvRequest, core: CacheCore, rounds: list[list[int]], brute,
-                     pool: SlotPool) -> int:
+                     pool: SlotPool, abort_at: int | None = None) -> int | None:
     """Commit ``state`` and run its plan on the brute-force KV as the patched server does: before each
     round, the births no later round reads go back to the pool (the scheduler's stash hook); the
     round's births are allocated and bound, then (per layer, one forward) every segment's new KV
     written, then every copy, then each segment's attention, asserting every read. Returns the most
-    slots requests held at once (the pool's own count, read after each round's allocation)."""
+    slots requests held at once (the pool's own count, read after each round's allocation); None when
+    it stopped before round ``abort_at`` (the caller aborts it)."""
     state.commit(core)
     plan = state.active.plan
     private = set(plan.fresh.tolist()) | {int(d) for j in plan.copies for s, d in zip(j.src, j.dst) if s == d}
     trace, held = Trace(), pool.n_protected
-    for indices in rounds:
+    for k, indices in enumerate(rounds):
+        if k == abort_at:
+            return None
         segments = [plan.segments[i] for i in indices]
         lo, hi = segments[0].start, segments[-1].end
         state.free_dead(core, lo)
@@ -139,14 +142,16 @@ def _serve_in_rounds(kv: SimulatedKV, state: AkvRequest, core: CacheCore, rounds
 @st.composite
 def served_turns(draw: st.DrawFn) -> tuple[list, list[tuple[int, int]], int]:
     """Two conversations (the second a branch of the first) turn by turn in a random order, each turn
-    asking for a few new tokens and followed by a random eviction, and a pool from the smallest turn's
-    count to a little above the largest's (so some turns are refused)."""
+    asking for a few new tokens, some aborted after a few rounds, and followed by a random eviction,
+    and a pool from the smallest turn's count held at once to a little above the most tokens a turn
+    computes (so some turns are refused, some recycle their births)."""
     convs = [draw(conversations(max_messages=8))]
     convs.append(draw(conversations(max_messages=8, prefix=convs[0])))
     order = draw(st.permutations([(i, t) for i, c in enumerate(convs) for t in range(c.n_turns)]))
-    needs = [brute_needed(c.program(t)) for c, t in ((convs[i], t) for i, t in order)]
-    pool = draw(st.integers(min(needs), max(needs) + 8))
-    return [(convs[i], t, draw(st.integers(0, 6)), draw(st.integers(0, 5))) for i, t in order], pool
+    programs = [convs[i].program(t) for i, t in order]
+    pool = draw(st.integers(min(brute_held(p) for p in programs), max(brute_needed(p) for p in programs) + 8))
+    aborts = st.one_of(st.none(), st.integers(0, 3))
+    return [(convs[i], t, draw(st.integers(0, 6)), draw(st.integers(0, 5)), draw(aborts)) for i, t in order], pool
 
 
 @settings(max_examples=200, deadline=None)
@@ -165,7 +170,7 @@ def test_a_request_alone_on_the_server_always_fits_what_attach_promised(case) ->
     pool = SlotPool(size, on_free=kv.forget)
     core = CacheCore(pool)
     intern = Interner()
-    for conv, turn, wanted, evict in turns:
+    for conv, turn, wanted, evict, abort_at in turns:
         program = conv.program(turn)
         error, req = _attach(program, wanted, size)
         if error is not None:
@@ -177,7 +182,11 @@ def test_a_request_alone_on_the_server_always_fits_what_attach_promised(case) ->
         draft = state.plan_draft(core, room=room)
         one_forward = core.match(program, in_place=True)
         rounds = _rounds(state, program.n_tokens)
-        held = _serve_in_rounds(kv, state, core, rounds, brute_layout(program, intern), pool)
+        held = _serve_in_rounds(kv, state, core, rounds, brute_layout(program, intern), pool, abort_at)
+        if held is None:  # aborted mid-prefill: nothing stays held but the tree's (later turns read it)
+            state.release(core, publish=False)
+            assert pool.n_protected == 0 and pool.n_free + pool.n_evictable == pool.size
+            continue
         assert held <= room, (held, room)
         new_slots = core.allocate(granted)  # decode's slots: the pool leaves them
         pool.decref(new_slots)
