@@ -58,6 +58,7 @@ class AkvRequest:
         self._cold = False
         self._room: int | None = None
         self.lifetimes: BirthLifetimes | None = None  # set when the draft's births are recycled
+        self._n_freed = 0  # births of lifetimes.by_death given back so far
         self.active: ActiveRequest | None = None
         self.first_usage: Usage | None = None
         self.pinned: np.ndarray | None = None
@@ -121,7 +122,9 @@ class AkvRequest:
         """Before a round from ``column``: give back the births no round from there on reads (when
         the request recycles them)."""
         if self.lifetimes is not None and self.active is not None:
-            core.free_births(self.active, self.lifetimes.dead_before(column))
+            dead = self.lifetimes.n_dead_before(column)
+            core.free_births(self.active, self.lifetimes.by_death[self._n_freed : dead])
+            self._n_freed = max(self._n_freed, dead)
 
     @property
     def first_start(self) -> int:
@@ -179,6 +182,7 @@ class AkvRequest:
         self.unlock(core)
         self.admission_s += time.perf_counter() - started
         self.segment = 0
+        self._n_freed = 0
         self.terminal_written = False
         if self.first_usage is None:
             self.first_usage = self.active.plan.usage

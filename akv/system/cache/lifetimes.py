@@ -24,16 +24,16 @@ FOREVER = np.iinfo(np.int64).max
 
 @dataclass(frozen=True)
 class BirthLifetimes:
-    """Per token: ``born[t]`` the segment that computes it (-1: none), ``last_step[t]`` the last
-    segment that reads its birth slot (:data:`FOREVER`: generation reads it). Per segment
-    ``starts`` / ``ends`` (columns) and ``alive[k]``: births of earlier segments held while segment
-    ``k`` runs (their last reader is ``k`` or later)."""
+    """Per segment ``starts`` / ``ends`` (columns) and ``alive[k]``: births of earlier segments held
+    while segment ``k`` runs (their last reader is ``k`` or later); ``by_death``: the births (tokens)
+    in the order no step reads them any more, ``deaths`` the last segment that reads each (its own
+    at least; :data:`FOREVER` where generation reads it)."""
 
-    born: np.ndarray
-    last_step: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
     alive: np.ndarray
+    by_death: np.ndarray
+    deaths: np.ndarray
 
     @classmethod
     def of(cls, plan: RequestPlan, n_tokens: int) -> BirthLifetimes:
@@ -57,11 +57,12 @@ class BirthLifetimes:
         n_segments = len(plan.segments)
         starts = np.fromiter((s.start for s in plan.segments), np.int64, n_segments)
         ends = np.fromiter((s.end for s in plan.segments), np.int64, n_segments)
-        births = born >= 0
+        births = np.flatnonzero(born >= 0)
+        by_death = births[np.argsort(last[births], kind="stable")]
+        deaths = last[by_death]
         born_before = np.concatenate([[0], np.cumsum(ends - starts)])[:n_segments]
-        dead_before = np.searchsorted(np.sort(last[births]), np.arange(n_segments), side="left")
-        alive = born_before - dead_before
-        return cls(*(frozen(a, np.int64) for a in (born, last, starts, ends, alive)))
+        alive = born_before - np.searchsorted(deaths, np.arange(n_segments), side="left")
+        return cls(*(frozen(a, np.int64) for a in (starts, ends, alive, by_death, deaths)))
 
     def segment_of(self, column: int) -> int:
         """The first segment ending after ``column`` (``len(segments)`` past the last)."""
@@ -71,13 +72,12 @@ class BirthLifetimes:
         """Births held when a round starts at ``column`` (those of earlier rounds still read there)."""
         k = self.segment_of(column)
         if k == self.ends.size:
-            return int(np.count_nonzero(self.last_step == FOREVER))
+            return int(self.deaths.size - np.searchsorted(self.deaths, FOREVER))
         return int(self.alive[k]) + max(column - int(self.starts[k]), 0)
 
-    def dead_before(self, column: int) -> np.ndarray:
-        """Tokens whose birth no round from ``column`` on reads, nor generation."""
-        k = self.segment_of(column)
-        return np.flatnonzero((self.born >= 0) & (self.last_step < k) & (self.born < k))
+    def n_dead_before(self, column: int) -> int:
+        """How many births (the first of ``by_death``) no round from ``column`` on reads, nor generation."""
+        return int(np.searchsorted(self.deaths, self.segment_of(column), side="left"))
 
     def single_peak(self) -> int:
         """The fewest births a request holds at once: each segment its own round (0 for no births)."""
@@ -96,14 +96,3 @@ class BirthLifetimes:
                 break
             k, held, end = k + 1, grown, int(self.ends[k + 1])
         return end
-
-    def peak(self, limit: int) -> int:
-        """Births held at once when every round is cut by :meth:`round_end` at ``limit`` (at least
-        :meth:`single_peak`, which is the hold of a round that cannot be cut)."""
-        peak, k = 0, 0
-        while k < self.ends.size:
-            lo = int(self.starts[k])
-            end = self.round_end(lo, int(self.ends[k]), limit)
-            peak = max(peak, self.held_at(lo) + end - lo)
-            k = self.segment_of(end - 1) + 1
-        return peak
