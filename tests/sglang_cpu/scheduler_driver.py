@@ -86,7 +86,10 @@ class Audit:
     """Shadow contents of the KV pool, as brute-force labels (token, history, position): every slot a
     finished context request's plan read, and every prefix slot a plain request published over, must
     hold the KV of the request's own event history; SGLang's allocator must never hand out or free a
-    slot the cache core still holds. Violations raise inside the scheduler (the run fails)."""
+    slot the cache core still holds. Violations raise inside the scheduler (the run fails). A context
+    request that gave births back mid-request (issue #30) cannot be replayed at its end (their slots
+    went on to other KV): its published versions are labelled instead, each a slot it still holds, and
+    its own reads are left to the oracle's exactness and later requests' reads to the audit."""
 
     def __init__(self, scheduler: Any) -> None:
         import numpy as np
