@@ -312,6 +312,26 @@ def copies_beyond_the_pool_waves() -> list[list[Request]]:
 
 
 
+def longer_than_the_pool_waves() -> list[list[Request]]:
+    """For a 200-slot pool: a conversation of two 10-token messages, then 15 turns of 40 tokens,
+    each dropping the turn two before it and repositioning, sent cold as one request (its text is
+    over 600 tokens, its live part about 100: each round holds the kept messages, the turn before
+    and its own). Then another such conversation, aborted after two forwards (mid-prefill, some
+    births already given back), then sent again (cold: the abort published nothing)."""
+    def long(seed: int) -> Conversation:
+        conv = Conversation(seed).add(10, 10)
+        for _ in range(15):
+            conv.add(40)
+            if len(conv.messages) > 4:
+                conv.drop(len(conv.messages) - 3)
+            conv.reposition()
+        return conv
+
+    other = long(121).request("longer-than-pool-aborted", max_new=4, abort_after_forwards=2)
+    return [[long(120).request("longer-than-pool", max_new=4)], [other],
+            [Request("longer-than-pool-again", other.ids, other.program, max_new=4)]]
+
+
 def next_turn(conv: Conversation, first: Request, *lengths: int) -> Conversation:
     """``conv`` after ``first`` (one generated token, so nothing generated is cached): its generation
     prompt kept as a message, then new messages of ``lengths`` tokens."""

@@ -86,7 +86,10 @@ class Audit:
     """Shadow contents of the KV pool, as brute-force labels (token, history, position): every slot a
     finished context request's plan read, and every prefix slot a plain request published over, must
     hold the KV of the request's own event history; SGLang's allocator must never hand out or free a
-    slot the cache core still holds. Violations raise inside the scheduler (the run fails)."""
+    slot the cache core still holds. Violations raise inside the scheduler (the run fails). A context
+    request that gave births back mid-request (issue #30) cannot be replayed at its end (their slots
+    went on to other KV): its published versions are labelled instead, each a slot it still holds, and
+    its own reads are left to the oracle's exactness and later requests' reads to the audit."""
 
     def __init__(self, scheduler: Any) -> None:
         import numpy as np
@@ -99,7 +102,8 @@ class Audit:
         self.plain_program = lambda ids: compile_program(ids, np.zeros(ids.size, dtype=np.int64),
                                                           parse_rules(None, None, 1), 1)
         self.kv, self.intern = SimulatedKV(), Interner()
-        self.counts = {"context_plans": 0, "plain_publications": 0, "allocations": 0, "frees": 0, "evicted": 0}
+        self.counts = {"context_plans": 0, "plain_publications": 0, "allocations": 0, "frees": 0, "evicted": 0,
+                       "recycled_plans": 0}
         cache = scheduler.tree_cache
         self.core, self.pool = cache.core, cache.core.pool
         self.pool._on_free = self.kv.forget
@@ -117,12 +121,24 @@ class Audit:
     def _finish(self, request: Any, ids: Any, slots: Any) -> None:
         brute = self.brute_layout(request.program, self.intern)
         plan = request.resolved_plan()
-        in_place = {int(s) for job in plan.copies for s, d in zip(job.src, job.dst) if s == d}
-        self.kv.execute(plan, brute, self.pool, rewritable=in_place)
+        if request.freed.any():  # births recycled mid-request: a replay at the end cannot reuse their slots
+            from akv.system.cache.core import _own_versions
+
+            tokens, positions, held = _own_versions(request.program, plan, self.np.zeros(0, "int64"), request)
+            assert (self.pool.refcount(held) > 0).all(), "a recycled request publishes a slot it gave back"
+            for token, position, slot in zip(tokens.tolist(), positions.tolist(), held.tolist()):
+                self.kv.content[slot] = (brute.names[token], position)
+            self.counts["recycled_plans"] += 1
+        else:
+            self._replay(request, brute, plan)
         if slots is not None and len(slots):
             grown = self.brute_layout(self.append_generated(request.program, self.np.asarray(ids)), self.intern)
             self.kv.write_generated(self.np.asarray(slots), grown, request.program.n_tokens, self.pool)
         self.counts["context_plans"] += 1
+
+    def _replay(self, request: Any, brute: Any, plan: Any) -> None:
+        in_place = {int(s) for job in plan.copies for s, d in zip(job.src, job.dst) if s == d}
+        self.kv.execute(plan, brute, self.pool, rewritable=in_place)
 
     def _publish(self, req: Any, row: Any) -> None:
         ids = self.np.asarray((list(req.origin_input_ids) + list(req.output_ids))[: row.size], dtype=self.np.int64)

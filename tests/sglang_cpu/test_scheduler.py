@@ -305,12 +305,13 @@ def rounds_pressure_runs(patched_site: Path, tiny_qwen3: Path) -> dict[str, tupl
 
 @pytest.fixture(scope="module")
 def near_the_pool_runs(patched_site: Path, tiny_qwen3: Path) -> dict[int | str, tuple[list, dict]]:
-    """Each copy count's waves and report, the turns whose copies exceed the pool (``"beyond"``), and
-    the protect-live scenario's without the flag (up to B's and P's next turns), one audited scheduler
+    """Each copy count's waves and report, the turns whose copies exceed the pool (``"beyond"``), the
+    protect-live scenario's without the flag (up to B's and P's next turns), and a text three times
+    the pool (``"longer-than-pool"``), one audited scheduler
     for all, flushed between parts."""
-    keys = [*NEAR_COPIES, "beyond", "protect-live-off"]
+    keys = [*NEAR_COPIES, "beyond", "protect-live-off", "longer-than-pool"]
     waves = ([scenarios.copies_near_the_pool_waves(n) for n in NEAR_COPIES] + [scenarios.copies_beyond_the_pool_waves()]
-             + [scenarios.protect_live_waves()[:4]])
+             + [scenarios.protect_live_waves()[:4], scenarios.longer_than_the_pool_waves()])
     reports = serve_parts(patched_site, tiny_qwen3, [scenarios.job(w) for w in waves], chunk=128,
                           max_total_tokens=NEAR_POOL, audit=True)
     return dict(zip(keys, zip(waves, reports, strict=True), strict=True))
@@ -323,6 +324,23 @@ def protect_live_run(patched_site: Path, tiny_qwen3: Path) -> tuple[list, dict]:
     waves = scenarios.protect_live_waves()
     return waves, serve(patched_site, tiny_qwen3, scenarios.job(waves), chunk=128, max_total_tokens=NEAR_POOL,
                         audit=True, env={"AKV_PROTECT_LIVE": "1"})
+
+
+def test_a_text_larger_than_the_pool_is_served_on_its_live_kv(near_the_pool_runs: dict,
+                                                             oracle_model: ReferenceModel) -> None:
+    """Issue #30: a cold request whose text is three times the 200-slot pool but whose rounds hold
+    at most 140 slots at once (births no later round reads go back to the pool) is served with the
+    oracle's tokens and logits; another, aborted after two forwards (mid-prefill, births already
+    given back), leaves the pool as it found it (nothing held, nothing leaked), and sent again it is
+    exact too. Both served ones gave births back before they ended (the audit's count)."""
+    waves, report = near_the_pool_runs["longer-than-pool"]
+    (long,), (aborted,), (again,) = waves
+    assert len(long.ids) > 3 * NEAR_POOL
+    assert_exact(oracle_model, long, report["results"][long.rid])
+    assert report["results"][aborted.rid]["finished"]["type"] == "abort"
+    assert_exact(oracle_model, again, report["results"][again.rid])
+    assert report["audit"]["recycled_plans"] == 2
+    assert_pool_back(report)
 
 
 @pytest.mark.parametrize("mix", ROUNDS_MIXES)

@@ -18,6 +18,7 @@ from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
 from akv.system.context.wire import encode_program
 from tests.cache.brute import brute_needed
+from tests.sglang_patch.test_admission_slots import brute_held
 from tests.sglang_cpu.scenarios import Conversation
 
 SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64, disaggregation_mode="null")
@@ -69,18 +70,21 @@ def test_unservable_requests_are_refused(server, mangle, message) -> None:
     assert error is not None and message in error and req.akv is None
 
 
-def test_kv_that_can_never_fit_is_refused_with_the_exact_count_of_its_births() -> None:
+def test_kv_that_can_never_fit_is_refused_with_the_exact_count_of_what_it_holds_at_once() -> None:
     """A reposition after a drop re-rotates what follows the gap: births plus copies exceed the pool
-    although the prompt alone fits. Such a request is served with its births re-rotated in place, so
-    the limit is the count of tokens an empty cache must compute (brute force) and the 2 slots
-    SGLang's admission adds (one page, and a strict bound), not its copies (issue #28)."""
+    although the prompt alone fits. Such a request is served with its births re-rotated in place and
+    the dropped message's births given back once nothing reads them, so the limit is the count of
+    slots it holds at once (brute force: fewer than the tokens an empty cache computes) and the 2
+    slots SGLang's admission adds (one page, and a strict bound), not its copies (issues #28, #30)."""
     prog = program([30, 30, 30, 2], {"2": [0]}, [2])
-    need = brute_needed(prog)
+    need = brute_held(prog)
+    assert need < brute_needed(prog), "the case in point: the dropped message's births are given back"
     assert CacheCore(SlotPool(1000)).admit(prog).plan.fresh.size > need + 2, "the case in point: copies do not fit"
     req, recv = request(prog)
     error = attach(req, recv, SERVER, pool_size=need + 1)
-    assert error == (f"messages: the prompt needs {need} KV slots (every token a later one reads, re-rotated in "
-                     f"place, and 2 for admission), more than the {need + 1} this server holds")
+    assert error == (f"messages: the prompt needs {need} KV slots at once (the tokens later ones read while a round "
+                     f"is computed, re-rotated in place, and 2 for admission), more than the {need + 1} this server "
+                     "holds")
     req, recv = request(prog)
     assert attach(req, recv, SERVER, pool_size=need + 2) is None
 
@@ -163,11 +167,12 @@ def test_rounds_stop_before_reused_columns_and_continue_beside_the_chunked_slot(
 
 def test_max_new_tokens_is_clipped_so_an_idle_server_admits_the_request() -> None:
     """SGLang's admission needs the slots a request takes + new tokens + one page strictly below the
-    pool; on an idle server that is its births, re-rotated in place where its copies would not fit: a
-    request asking for more new tokens than that leaves gets fewer (as SGLang clips a plain prompt's);
-    otherwise it would wait forever, and every request queued behind it."""
+    pool; on an idle server that is what it holds at once (its births re-rotated in place, and given
+    back once nothing reads them) where all its births and copies would not fit: a request asking for
+    more new tokens than that leaves gets fewer (as SGLang clips a plain prompt's); otherwise it would
+    wait forever, and every request queued behind it."""
     prog = program([30, 30, 30, 2], {"2": [0]}, [2])
-    need = brute_needed(prog)  # what a cold admission with births re-rotated in place takes
+    need = brute_held(prog)  # what a cold admission with births re-rotated in place and recycled holds
     for wanted, pool, granted in [(10, need + 2 + 3, 3), (3, need + 2 + 3, 3), (2, need + 2 + 3, 2),
                                   (None, need + 2 + 3, 3), (10, need + 2, 0), (10, 1000, 10)]:
         req, recv = request(prog, wanted)

@@ -12,10 +12,12 @@ this request reads (no other request, no other tree path, no earlier segment of 
 re-rotated in its own slot and published at its new position; a copy is taken only where the old
 version must stay readable. A request's own births are copied too (all its segments run in one
 forward), unless that would not leave room for its new tokens: then its births are re-rotated in
-place as well, each such copy starting a new round. From its lock to its commit those versions are set aside
-(:meth:`akv.system.cache.core.CacheCore.reserve`): a request matched meanwhile does not read them at
-their old positions. A draft whose in-place version another request holds is planned again (it
-copies that version).
+place as well, each such copy starting a new round, and if even that does not fit, a birth no later
+round reads goes back to the pool before the next round, rounds cut so that each holds at most the
+fewest births the request can hold (:mod:`akv.system.cache.lifetimes`). From its lock to its
+commit those versions are set aside (:meth:`akv.system.cache.core.CacheCore.reserve`): a request
+matched meanwhile does not read them at their old positions. A draft whose in-place version another
+request holds is planned again (it copies that version).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from akv.system.adapter.prefill_timing import PrefillStats
 from akv.system.adapter.window_lists import segment_round_end
 from akv.system.cache.core import ActiveRequest, CacheCore, Draft
+from akv.system.cache.lifetimes import BirthLifetimes
 from akv.system.cache.occurrence import resolve_births
 from akv.system.cache.plan import CopyJob, Segment, Usage
 from akv.system.cache.pool import SlotPool
@@ -37,9 +40,11 @@ VISIBLE_ALWAYS = np.iinfo(np.int32).max
 """``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
 
 
-def _holds(draft: Draft, pool: SlotPool) -> int:
-    """Slots a request planned by ``draft`` holds at its peak: births, copy slots and borrowed versions."""
-    return draft.plan.n_births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
+def _holds(draft: Draft, pool: SlotPool, births: int | None = None) -> int:
+    """Slots a request planned by ``draft`` holds at its peak: births (all of them, else ``births``),
+    copy slots and borrowed versions."""
+    births = draft.plan.n_births if births is None else births
+    return births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
 
 
 class AkvRequest:
@@ -52,6 +57,8 @@ class AkvRequest:
         self.draft: Draft | None = None
         self._cold = False
         self._room: int | None = None
+        self.lifetimes: BirthLifetimes | None = None  # set when the draft's births are recycled
+        self._n_freed = 0  # births of lifetimes.by_death given back so far
         self.active: ActiveRequest | None = None
         self.first_usage: Usage | None = None
         self.pinned: np.ndarray | None = None
@@ -72,8 +79,9 @@ class AkvRequest:
         (kept for later calls): the most slots the request may hold (the pool less its new tokens and
         admission's slack). A draft that would hold more (what it borrows as well as its births and
         copies) is planned again with its births re-rotated in place, and if that still holds more,
-        cold with its births in place: its births alone, which always fit
-        (:func:`akv.system.adapter.scheduling.attach`), else the request could never be admitted."""
+        cold with its births in place; if none fits, the first of them whose births fit when each is
+        given back once no later round reads it (:attr:`lifetimes`; the last, cold, always fits:
+        :func:`akv.system.adapter.scheduling.attach`), else the request could never be admitted."""
         if room is not None:
             self._room = room
         if self.pinned is not None and self.draft is not None:
@@ -87,13 +95,36 @@ class AkvRequest:
         return self.draft
 
     def _fitting_draft(self, core: CacheCore, cold: bool) -> Draft:
-        draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
-        if self._room is None or _holds(draft, core.pool) <= self._room:
-            return draft
-        draft = core.match(self.program, self.namespace, cold=cold, in_place=True, births_in_place=True)
-        if cold or _holds(draft, core.pool) <= self._room:
-            return draft
-        return core.match(self.program, self.namespace, cold=True, births_in_place=True)
+        """The first of the in-place plan, the same with births in place, and the cold one with births
+        in place whose births fit the room; else whose births recycled (their slots given back once
+        no later round reads them, rounds cut to hold :meth:`BirthLifetimes.single_peak`) fit it."""
+        self.lifetimes = None
+        tries = [{"cold": cold}, {"cold": cold, "births_in_place": True}]
+        if not cold:
+            tries.append({"cold": True, "births_in_place": True})
+        drafts = []
+        for kwargs in tries:
+            drafts.append(core.match(self.program, self.namespace, in_place=True, **kwargs))
+            if self._room is None or _holds(drafts[-1], core.pool) <= self._room:
+                return drafts[-1]
+        for draft in drafts:
+            self.lifetimes = BirthLifetimes.of(draft.plan.plan, self.program.n_tokens)
+            if _holds(draft, core.pool, self.lifetimes.single_peak()) <= self._room:
+                return draft
+        return draft
+
+    def birth_peak(self) -> int:
+        """Births the draft holds at once: all of them, or with recycling its fewest."""
+        assert self.draft is not None
+        return self.draft.plan.n_births if self.lifetimes is None else self.lifetimes.single_peak()
+
+    def free_dead(self, core: CacheCore, column: int) -> None:
+        """Before a round from ``column``: give back the births no round from there on reads (when
+        the request recycles them)."""
+        if self.lifetimes is not None and self.active is not None:
+            dead = self.lifetimes.n_dead_before(column)
+            core.free_births(self.active, self.lifetimes.by_death[self._n_freed : dead])
+            self._n_freed = max(self._n_freed, dead)
 
     @property
     def first_start(self) -> int:
@@ -151,6 +182,7 @@ class AkvRequest:
         self.unlock(core)
         self.admission_s += time.perf_counter() - started
         self.segment = 0
+        self._n_freed = 0
         self.terminal_written = False
         if self.first_usage is None:
             self.first_usage = self.active.plan.usage

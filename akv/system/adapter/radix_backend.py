@@ -156,13 +156,15 @@ class AkvRadixCache(BasePrefixCache):
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
         """Plain requests publish what they computed so far; a context request between rounds gets
-        the next round's prefix view (its terminal view is written before its first decode step,
+        the next round's prefix view, and gives back the births no later round reads when it recycles
+        them (its terminal view is written before its first decode step,
         :func:`akv.system.adapter.batch_metadata.for_decode`, together with the copies it needs)."""
         state = getattr(req, "akv", None)
         if state is None:
             self._cache_unfinished_plain(req)
         elif chunked:
             start = state.next_start(req.extend_range.end)
+            state.free_dead(self.core, start)
             req.prefix_indices = to_device(state.prefix_view(start), self.device)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:

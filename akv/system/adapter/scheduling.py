@@ -1,9 +1,10 @@
 """Scheduler hooks: the program reaches ``Req``; a context request's prefill round runs every segment
 of a contiguous run of them in one forward (SGLang's chunk budget still cuts it), and stops only where
 the next segment starts after a gap of reused columns or, on a sliding-window model, at a segment's
-end, or before a segment that re-rotates KV an earlier one of the round reads; a request with more
-rounds continues in or beside SGLang's chunked-request slot; admission reserves copy slots and the
-rounds left of requests between rounds."""
+end, or before a segment that re-rotates KV an earlier one of the round reads, or (births recycled)
+where the round would hold more than the request's fewest births; a request with more rounds
+continues in or beside SGLang's chunked-request slot; admission reserves copy slots and the rounds
+left of requests between rounds, and counts recycled births at their peak, not the text."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 from akv.system.adapter import lengths, pd_decode
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
+from akv.system.cache.lifetimes import BirthLifetimes
 from akv.system.cache.occurrence import cold_plan
 
 ADMISSION_SLACK = 2
@@ -30,8 +32,10 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
     admission's count on an idle server fits the pool, and so that the text with its new tokens fits a
     ``req_to_token`` row: a request that never fits would wait forever, and every request queued
     behind it. On an idle server, with nothing resident that it can reuse, the least a request can
-    hold is its births (every token something reads, computed once) re-rotated in place: the plan
-    the server falls back to when its copies do not fit beside its new tokens
+    hold is its births (every token something reads, computed once) re-rotated in place, each given
+    back once no later round reads it: per round, that round's births and the earlier ones still
+    read (:meth:`akv.system.cache.lifetimes.BirthLifetimes.single_peak`), the plan the server falls
+    back to when its births and copies do not fit beside its new tokens
     (:meth:`akv.system.adapter.context_request.AkvRequest.plan_draft`). On a PD decode server it gets
     its decode-side state instead (:func:`akv.system.adapter.pd_decode.attach`)."""
     data = getattr(recv_req, "context_program", None)
@@ -52,14 +56,22 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
         columns = lengths.text_limit(context_len) - program.n_tokens
         wanted = columns if wanted is None else min(wanted, columns)
     fits = wanted is not None and program.n_tokens + wanted + ADMISSION_SLACK <= pool_size  # births at most
-    needed = program.n_tokens if fits else cold_plan(program, births_in_place=True).n_slots
+    needed = program.n_tokens if fits else _least_held(program)
     room = pool_size - needed - ADMISSION_SLACK
     if room < 0:
-        return (f"messages: the prompt needs {needed} KV slots (every token a later one reads, re-rotated in "
-                f"place, and {ADMISSION_SLACK} for admission), more than the {pool_size} this server holds")
+        return (f"messages: the prompt needs {needed} KV slots at once (the tokens later ones read while a "
+                f"round is computed, re-rotated in place, and {ADMISSION_SLACK} for admission), more than the "
+                f"{pool_size} this server holds")
     req.sampling_params.max_new_tokens = room if wanted is None else min(wanted, room)
     req.akv = AkvRequest(program, req.extra_key or "")
     return None
+
+
+def _least_held(program: Any) -> int:
+    """Slots the cold plan with births in place holds at once when its births are recycled (each
+    given back once no later round reads it)."""
+    draft = cold_plan(program, births_in_place=True)
+    return BirthLifetimes.of(draft.plan, program.n_tokens).single_peak() + draft.n_copy_slots
 
 
 def cap_extend(req: Any) -> bool:
@@ -80,6 +92,8 @@ def _round_end(state: AkvRequest, lo: int, hi: int) -> int:
     if state.window is not None:
         return state.round_end(segments[i], lo, hi)
     end, reads = segments[i].end, [segments[i].prefix_slots, segments[i].slots]
+    if state.lifetimes is not None:  # births recycled: the round holds at most the fewest births
+        hi = min(hi, state.lifetimes.round_end(lo, end, state.lifetimes.single_peak()))
     while end < hi and i + 1 < len(segments) and segments[i + 1].start == end and not _recycles(segments[i + 1], reads):
         i += 1
         end = segments[i].end
@@ -127,12 +141,13 @@ def hold_rounds(adder: Any, req: Any, has_chunked_req: bool) -> None:
 def extra_budget(req: Any) -> int:
     """What admission adds to SGLang's count of a waiting request's slots (its columns after the
     matched prefix, new tokens and a page): for a context request its copy slots, less the columns it
-    borrows instead of computing (those are counted where its lock holds them); 0 for plain."""
+    borrows instead of computing (those are counted where its lock holds them) and the births it gives
+    back before later ones are born; 0 for plain."""
     state: AkvRequest | None = req.akv
     if state is None or state.draft is None:
         return 0
     columns = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
-    return state.draft.plan.n_births + state.extra_budget() - columns
+    return state.birth_peak() + state.extra_budget() - columns
 
 
 def charge_copies(adder: Any, req: Any) -> None:
@@ -146,7 +161,8 @@ def charge_copies(adder: Any, req: Any) -> None:
 
 def reserve_rounds_left(adder: Any, reqs: list[Any]) -> None:
     """Take from the adder's total budget what the context requests among ``reqs``, continuing their
-    prefill after this batch, still need: the columns after their latest round and their new tokens.
+    prefill after this batch, still need: the columns after their latest round (with births recycled,
+    at most what their fewest births leave beside those still held then) and their new tokens.
     SGLang charges a chunked request one chunk per batch, safe while its chunks fill the chunk budget;
     a context request's rounds also end before gaps of reused columns, so others join the batch
     between them and, without this, take the KV its later rounds need (``alloc_for_extend`` then runs
@@ -157,5 +173,8 @@ def reserve_rounds_left(adder: Any, reqs: list[Any]) -> None:
         if req is None or req.akv is None or req.finished():
             continue
         columns = len(req.full_untruncated_fill_ids) - req.extend_range.end
+        lifetimes = req.akv.lifetimes
+        if lifetimes is not None:
+            columns = min(columns, max(lifetimes.single_peak() - lifetimes.held_at(req.extend_range.end), 0))
         new_tokens = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
         adder.rem_total_token_offset += columns + new_tokens

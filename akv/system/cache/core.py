@@ -64,13 +64,15 @@ class Draft:
 @dataclass(frozen=True)
 class ActiveRequest:
     """A committed request: program, key, plan (copy slots real; births ``-2 - t`` until bound) and
-    ``births[t]``, the bound birth slot of token ``t`` (-1 while unbound)."""
+    ``births[t]``, the bound birth slot of token ``t`` (-1 while unbound); ``freed[t]``: that slot went
+    back to the pool before the request ended (:meth:`CacheCore.free_births`)."""
 
     rid: int
     program: ContextProgram
     key: RecordKey
     plan: RequestPlan
     births: np.ndarray
+    freed: np.ndarray
 
     def resolved_plan(self) -> RequestPlan:
         """The plan with every birth bound to its slot (raises if one is read but unbound)."""
@@ -174,7 +176,8 @@ class CacheCore:
         copies = fresh[: draft.n_copy_slots]
         plan = draft.plan.bind_copies(copies, fresh[draft.n_copy_slots :] if with_births else None)
         births = np.full(draft.program.n_tokens, -1, dtype=np.int64)
-        request = ActiveRequest(next(self._rids), draft.program, draft.key, plan, births)
+        freed = np.zeros(draft.program.n_tokens, dtype=bool)
+        request = ActiveRequest(next(self._rids), draft.program, draft.key, plan, births, freed)
         self._active[request.rid] = request
         return request
 
@@ -190,6 +193,15 @@ class CacheCore:
             raise RequestStateError(f"tokens: {tokens.tolist()[:8]} are not unbound births of this request")
         self.pool.adopt(slots)
         request.births[tokens] = slots
+
+    def free_births(self, request: ActiveRequest, tokens: np.ndarray) -> None:
+        """Give back the bound birth slots of ``tokens`` that no later step of the request reads (the
+        engine's word: :mod:`akv.system.cache.lifetimes`); they are not published."""
+        self._check_active(request)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens = tokens[(request.births[tokens] >= 0) & ~request.freed[tokens]]
+        request.freed[tokens] = True
+        self.pool.decref(request.births[tokens])
 
     def admit(self, program: ContextProgram, namespace: str = "", *, compact: bool = False,
               in_place: bool = False, births_in_place: bool = False) -> ActiveRequest:
@@ -230,7 +242,7 @@ class CacheCore:
         self._check_active(request)
         plan = request.resolved_plan()
         self._take(request)
-        tokens, positions, version_slots = _own_versions(request.program, plan, slots)
+        tokens, positions, version_slots = _own_versions(request.program, plan, slots, request)
         n = request.program.n_tokens + ids.size
         table_slots, table_positions = _as_table(n, tokens, positions, version_slots)
         terminal = np.concatenate([request.program.final_position, request.program.next_position + np.arange(ids.size)])
@@ -255,16 +267,16 @@ class CacheCore:
         del self._active[request.rid]
 
     def _release(self, request: ActiveRequest, generated_slots: np.ndarray) -> None:
-        births = request.births[request.births >= 0]
+        births = request.births[(request.births >= 0) & ~request.freed]
         self.pool.decref(np.concatenate([request.plan.borrowed, request.plan.fresh, births, generated_slots]))
 
 
-def _own_versions(program: ContextProgram, plan: RequestPlan,
-                  generated_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _own_versions(program: ContextProgram, plan: RequestPlan, generated_slots: np.ndarray,
+                  request: ActiveRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(token, position, slot) of every version the request publishes: its births and the versions
     it made (copied, or rotated in place) that generation reads, and generated KV; each slot with
     what it holds at the end, its last write (copies only earlier steps read are historical, and a
-    recycled slot holds only its last version)."""
+    recycled slot holds only its last version); not a freed birth's slot while it holds that birth."""
     n = program.n_tokens
     terminal = plan.terminal
     tokens, positions, slots, kept = [], [], [], []
@@ -281,7 +293,9 @@ def _own_versions(program: ContextProgram, plan: RequestPlan,
     all_slots = np.concatenate(slots).astype(np.int64)
     last = all_slots.size - 1 - np.unique(all_slots[::-1], return_index=True)[1]
     last = last[np.concatenate(kept)[last]]
-    out_tokens = np.concatenate(tokens).astype(np.int64)[last]
+    written = np.concatenate(tokens).astype(np.int64)
+    last = last[~(request.freed[written[last]] & (request.births[written[last]] == all_slots[last]))]
+    out_tokens = written[last]
     out_positions = np.concatenate(positions).astype(np.int64)[last]
     return (np.concatenate([out_tokens, n + np.arange(generated_slots.size)]),
             np.concatenate([out_positions, program.next_position + np.arange(generated_slots.size)]),
