@@ -15,6 +15,7 @@ query reads; its attention over exactly those keys is what FA3 must output, for 
 from __future__ import annotations
 
 import math
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -383,3 +384,15 @@ def test_models_fa3_cannot_serve_exactly_are_refused_at_launch(window, dtype, co
     others = "triton" if window is not None else "triton or flashinfer"
     assert str(info.value).startswith(f"attention_backend 'fa3' cannot serve context requests with {says}")
     assert str(info.value).endswith(f"; serve this model with --attention-backend {others}")
+
+
+def test_decode_graphs_replay_context_batches_on_sglang_s_fa3_backend_only(monkeypatch) -> None:
+    """Checked without importing SGLang's FA3 module (it needs ``sgl_kernel``): a stand-in module."""
+    name = "sglang.srt.layers.attention.flashattention_backend"
+    fa3_class = type("FlashAttentionBackend", (), {"fa_impl_ver": 3})
+    fa4 = type("FlashAttentionBackend", (fa3_class,), {"fa_impl_ver": 4})()
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert not fa3_lists.replays_context(fa3_class())
+    monkeypatch.setitem(sys.modules, name, SimpleNamespace(FlashAttentionBackend=fa3_class))
+    assert fa3_lists.replays_context(fa3_class()) and not fa3_lists.replays_context(fa4)
+    assert not fa3_lists.replays_context(SimpleNamespace(fa_impl_ver=3))

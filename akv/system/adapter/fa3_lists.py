@@ -16,6 +16,7 @@ What FA3 cannot serve this way is refused when the server starts (:func:`check_m
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,10 +68,10 @@ class Rows:
 
 def replays_context(backend: Any) -> bool:
     """Whether decode CUDA graphs on this attention backend replay batches with context requests:
-    SGLang's FA3 backend (whose captured buffers :func:`fill_decode_graph` fills)."""
-    from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
-
-    return isinstance(backend, FlashAttentionBackend) and backend.fa_impl_ver == 3
+    SGLang's FA3 backend (whose captured buffers :func:`fill_decode_graph` fills). Imports nothing:
+    a backend of that class has loaded its module (which needs ``sgl_kernel``)."""
+    module = sys.modules.get("sglang.srt.layers.attention.flashattention_backend")
+    return module is not None and isinstance(backend, module.FlashAttentionBackend) and backend.fa_impl_ver == 3
 
 
 def decode_rows(req_to_token: torch.Tensor, forward_batch: Any, bs: int) -> Rows:
