@@ -73,7 +73,7 @@ def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Te
     group = Q_HEADS // KV_HEADS
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("hd,nhd->hn", q.double(), k) / math.sqrt(HEAD_DIM)
+    scores = torch.einsum("hd,nhd->hn", q.double(), k) / math.sqrt(q.shape[-1])
     return torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
 
 
@@ -168,7 +168,8 @@ class Batch:
         return [self.store.kv.content[int(s)] for s in self.req_to_token[row, :n]]
 
 
-def extend_forward(store: Store, segments, brute, chunk: int, plains: list[tuple[int, int]], plain_first: bool):
+def extend_forward(store: Store, segments, brute, chunk: int, plains: list[tuple[int, int]], plain_first: bool,
+                   device: str = "cpu"):
     """An extend forward: the segments cut in parts of ``chunk`` queries (one entry each), plain
     requests ``(prefix, new)`` beside them; the forward batch and the labels each query reads."""
     batch = Batch(store)
@@ -188,14 +189,15 @@ def extend_forward(store: Store, segments, brute, chunk: int, plains: list[tuple
             expected.extend(sorted(brute.reads[t]) for t in range(part.start, part.end))
     if not plain_first:
         add_plains()
-    built = entries.build("cpu")
+    built = entries.build(device)
+    batch.req_to_token = batch.req_to_token.to(device)
     akv = AkvForward(positions=torch.zeros(0), visibility=None, visible_prefix=np.zeros(0, np.int64), copies=None,
                      entries=built)
     fb = SimpleNamespace(forward_mode=SimpleNamespace(is_decode_or_idle=lambda: False), akv=akv)
     return batch, fb, expected
 
 
-def decode_forward(store: Store, program, plan, brute, generated: int, plains: list[int]):
+def decode_forward(store: Store, program, plan, brute, generated: int, plains: list[int], device: str = "cpu"):
     """A decode step of the context request after ``generated`` tokens (the decoded one last), plain
     requests of the given lengths beside it; the forward batch and the labels each query reads."""
     batch = Batch(store)
@@ -222,11 +224,13 @@ def decode_forward(store: Store, program, plan, brute, generated: int, plains: l
         queries.append(length - 1)
         prefix.append(length - 1)
         expected.append(batch.column_labels(plain, length))
-    visibility = VisibleUntil(visible_until=batch.visibility, rows=torch.tensor(vis_rows), query_index=torch.tensor(queries))
+    batch.req_to_token = batch.req_to_token.to(device)
+    visibility = VisibleUntil(visible_until=batch.visibility.to(device), rows=torch.tensor(vis_rows, device=device),
+                              query_index=torch.tensor(queries, device=device))
     akv = AkvForward(positions=torch.zeros(len(rows)), visibility=visibility, visible_prefix=np.asarray(prefix),
                      copies=None)
     fb = SimpleNamespace(forward_mode=SimpleNamespace(is_decode_or_idle=lambda: True), akv=akv, batch_size=len(rows),
-                         req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens))
+                         req_pool_indices=torch.tensor(rows, device=device), seq_lens=torch.tensor(seq_lens, device=device))
     return batch, fb, expected
 
 
@@ -396,3 +400,64 @@ def test_decode_graphs_replay_context_batches_on_sglang_s_fa3_backend_only(monke
     monkeypatch.setitem(sys.modules, name, SimpleNamespace(FlashAttentionBackend=fa3_class))
     assert fa3_lists.replays_context(fa3_class()) and not fa3_lists.replays_context(fa4)
     assert not fa3_lists.replays_context(SimpleNamespace(fa_impl_ver=3))
+
+
+# ------------------------------------------------------------------ on the GPU: FA3 itself ---
+
+GPU_HEAD_DIM = 128  # a head size FA3 is built for
+
+
+def fa3_kernel(q, k_cache, v_cache, metadata) -> torch.Tensor:
+    """SGLang's FA3 kernel (``sgl_kernel``) as the patched backend calls it, bf16."""
+    from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+    bf16 = lambda t: t.to(device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    cuda = lambda t: t.to("cuda")  # noqa: E731
+    return flash_attn_with_kvcache(
+        q=bf16(q), k_cache=bf16(k_cache), v_cache=bf16(v_cache), page_table=cuda(metadata.page_table),
+        cache_seqlens=cuda(metadata.cache_seqlens_int32), cu_seqlens_q=cuda(metadata.cu_seqlens_q),
+        cu_seqlens_k_new=cuda(metadata.cu_seqlens_k) if metadata.max_seq_len_q > 1 else None,  # as at extend / decode
+        max_seqlen_q=metadata.max_seq_len_q,
+        softmax_scale=1 / math.sqrt(q.shape[-1]), causal=True).double().cpu()
+
+
+@pytest.mark.gpu
+def test_the_model_of_fa3_is_what_fa3_computes() -> None:
+    """The CPU tests' model of ``flash_attn_with_kvcache`` against the kernel: random rows of random
+    slots (page size 1), decode (one query each) and varlen queries over longer rows (the causal mask
+    aligned to the end of each row), GQA; the model over the same bf16-rounded inputs in float64."""
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).bfloat16().double()  # noqa: E731
+    k, v = rnd(N_SLOTS, 1, KV_HEADS, GPU_HEAD_DIM), rnd(N_SLOTS, 1, KV_HEADS, GPU_HEAD_DIM)
+    for n_q in ([1, 1, 1, 1], [3, 1, 7, 2, 5]):
+        n_k = [q + int(torch.randint(0, 300, (1,), generator=g)) for q in n_q]
+        table = torch.randint(0, N_SLOTS, (len(n_q), max(n_k) + 5), generator=g, dtype=torch.int32)
+        metadata = SimpleNamespace(page_table=table, cache_seqlens_int32=torch.tensor(n_k, dtype=torch.int32),
+                                   cu_seqlens_q=torch.tensor(np.cumsum([0, *n_q]), dtype=torch.int32),
+                                   cu_seqlens_k=torch.tensor(np.cumsum([0, *n_k]), dtype=torch.int32),
+                                   max_seq_len_q=max(n_q))
+        q = rnd(sum(n_q), Q_HEADS, GPU_HEAD_DIM)
+        want = fa3_with_kvcache(q, k, v, table, metadata.cache_seqlens_int32, metadata.cu_seqlens_q, max(n_q))
+        torch.testing.assert_close(fa3_kernel(q, k, v, metadata), want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("turns", [[5], [1, 3, 5]])
+def test_fa3_over_the_module_s_metadata_reads_what_the_brute_force_reads(turns: list[int], monkeypatch) -> None:
+    """Extend forwards and a decode step with their metadata built on the GPU, FA3's kernel over it,
+    against the brute force's attention (bf16 tolerance; slots that hold nothing are zeros here)."""
+    monkeypatch.setattr(sys.modules[__name__], "HEAD_DIM", GPU_HEAD_DIM)
+    store = Store(3)
+    program, plan, brute = serve_turns(store, AGENT, turns)
+
+    def check(batch: Batch, fb: SimpleNamespace, expected: list[list[object]], seed: int) -> None:
+        k, v = (t.nan_to_num(0.0).bfloat16().double() for t in store.caches())
+        metadata = fa3_lists.eager_metadata(Backend(batch.req_to_token), fb, SimpleNamespace())
+        q = torch.randn(len(expected), Q_HEADS, GPU_HEAD_DIM, generator=torch.Generator().manual_seed(seed),
+                        dtype=torch.float64).bfloat16().double()
+        want = torch.stack([store.expected(q[i], labels) for i, labels in enumerate(expected)])
+        torch.testing.assert_close(fa3_kernel(q, k, v, metadata), want, rtol=0, atol=3e-2)
+
+    for segments in forwards(store, plan, brute):  # each forward against the KV as it holds then
+        check(*extend_forward(store, segments, brute, 2, [(3, 2)], plain_first=False, device="cuda"), seed=5)
+    check(*decode_forward(store, program, plan, brute, 3, [4], device="cuda"), seed=6)
