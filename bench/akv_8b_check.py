@@ -23,11 +23,12 @@ AKV overlay (``--stock-site``, made on first use).
    between the two backends in the same run (their bf16 kernels differ), greedy tokens equal wherever
    BACKEND's top-2 margin exceeds that bound, usage equal.
 
-FA3 against FlashInfer, in one device call (carry [".devkit"]; ``--backend fa3`` for both servers of
+FA3 against FlashInfer, in one device call, after the FA3 kernel tests of
+``tests/sglang_patch/test_fa3_lists.py`` (carry [".devkit"]; ``--backend fa3`` for both servers of
 checks 1-4; FA3 needs compute capability 8.x or 9.x; not yet run, so its time is an estimate: three
 server starts of about a minute each plus the checks, 6-8 minutes)::
 
-    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_8B_BACKEND=fa3 AKV_8B_AGAINST=flashinfer AKV_BENCH="bench/akv_8b_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
+    set -o pipefail; PYTEST_ARGS="-m gpu tests/sglang_patch/test_fa3_lists.py" SKIP_SERVER=1 AKV_8B_BACKEND=fa3 AKV_8B_AGAINST=flashinfer AKV_BENCH="bench/akv_8b_check.py" DEADLINE_S=570 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 """
 
 from __future__ import annotations
