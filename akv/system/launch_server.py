@@ -317,8 +317,8 @@ def usage(version: str | None) -> str:
             f"\n\n{__doc__.strip()}\n\n"
             f"Added unless given (default: {added}, {' '.join(AKV_SWITCHES)}, --attention-backend "
             f"flashinfer on CUDA with FlashInfer installed, else triton; on this machine "
-            f"{default_attention_backend([], Machine.detect())}; --attention-backend fa3 on a CUDA device of "
-            f"compute capability 8.x or 9.x).\n{sglang}\n")
+            f"{default_attention_backend([], Machine.detect())}). --attention-backend fa3 is taken on a CUDA "
+            f"device of compute capability 8.x or 9.x.\n{sglang}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
