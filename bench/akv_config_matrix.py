@@ -1,5 +1,5 @@
 """On the H200: the tiny random Qwen3 served by the patched server in every execution configuration
-at once (triton and FlashInfer attention, decode CUDA graphs on and off, the overlap scheduler on
+at once (triton, FlashInfer and FA3 attention, decode CUDA graphs on and off, the overlap scheduler on
 and off, forced retraction), each against the exact CPU reference server (FP32) on the same weights.
 
 Every configuration gets the same traffic: one agent conversation turn by turn (plain turns, then
@@ -13,7 +13,10 @@ configurations: the largest log-prob difference between any two on the plain req
 context requests.
 
 Run by ``tools/gpu/run.sh`` as an ``AKV_BENCH`` script (``SKIP_SERVER=1`` is fine: it starts its own
-servers); writes ``$AKV_BENCH_OUT/akv_config_matrix.json``; exits 1 if a check fails.
+servers); writes ``$AKV_BENCH_OUT/akv_config_matrix.json``; exits 1 if a check fails. The FA3
+configurations beside FlashInfer's alone (FA3 needs compute capability 8.x or 9.x)::
+
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_MATRIX_CONFIGS="fa3-eager fa3-graphs-overlap flashinfer-graphs-overlap" AKV_BENCH="bench/akv_config_matrix.py" bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ CONFIGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "flashinfer-graphs-overlap": (["--attention-backend", "flashinfer"], {}),
     "flashinfer-graphs-overlap-retract": (["--attention-backend", "flashinfer"], {"SGLANG_TEST_RETRACT": "1"}),
     "triton-graphs-overlap": (["--attention-backend", "triton"], {}),
+    "fa3-eager": (["--attention-backend", "fa3", "--disable-cuda-graph", "--disable-overlap-schedule"], {}),
+    "fa3-graphs-overlap": (["--attention-backend", "fa3"], {}),
 }
 COMMON = ["--dtype", "bfloat16", "--tool-call-parser", "qwen", "--enable-cache-report",
           "--enable-metrics", "--max-total-tokens", "65536", "--mem-fraction-static", "0.08",

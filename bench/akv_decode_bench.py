@@ -1,6 +1,7 @@
 """On the H200: decode step time of agent requests whose context is half dropped, patched server vs
 stock SGLang 0.5.16 serving a prompt of only the live tokens (Qwen3-8B-shaped dummy weights, bf16,
-FlashInfer attention, decode CUDA graphs on), and each server's plain-request throughput.
+FlashInfer attention unless ``--backend`` names another for both servers, decode CUDA graphs on), and
+each server's plain-request throughput.
 
 For each live length L: a tool conversation of about 2L tokens whose every other tool result is
 dropped at the last message (``drop_message``, no reposition) goes to the patched server; the same
@@ -20,6 +21,10 @@ attention floor at H200 bandwidth is about 30.7 us per 1K live tokens per reques
 H200 (one device call, carry [".devkit"]):
     set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_BENCH="bench/akv_decode_bench.py" DEADLINE_S=530 \\
         bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
+FA3 (both servers on ``--attention-backend fa3``; compute capability 8.x or 9.x), the same call with
+``AKV_DECODE_BACKEND=fa3`` (``AKV_DECODE_LIVE=32768`` keeps it to the 32k cases if time is short):
+    set -o pipefail; SKIP_PYTEST=1 SKIP_SERVER=1 AKV_DECODE_BACKEND=fa3 AKV_BENCH="bench/akv_decode_bench.py" \\
+        DEADLINE_S=530 bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 Writes ``$AKV_BENCH_OUT/akv_decode_bench.json`` (and a copy in ``$OUT`` where that is set) after every
 measurement.
 """
@@ -41,7 +46,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from akv import cli  # noqa: E402
-from bench.akv_8b_check import parser_8b  # noqa: E402
+from akv.system.adapter.serving import ATTENTION_BACKENDS  # noqa: E402
+from bench.akv_8b_check import parser_8b, with_backend  # noqa: E402
 from bench.harness import client, results, servers  # noqa: E402
 from bench.harness.client import TOOLS  # noqa: E402
 from bench.harness.conversations import Conversation  # noqa: E402
@@ -184,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode log lines (20 steps each) at exactly B per measurement")
     parser.add_argument("--bursts", type=int, default=int(os.environ.get("AKV_DECODE_BURSTS", "6")),
                         help="plain-burst rounds after the first live length (with --live '': the only measurement)")
+    parser.add_argument("--backend", choices=ATTENTION_BACKENDS, default=os.environ.get("AKV_DECODE_BACKEND", "flashinfer"),
+                        help="both servers' attention backend (default: $AKV_DECODE_BACKEND, else flashinfer)")
     args = parser.parse_args(argv)
+    flags = with_backend(COMMON, args.backend)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run.sh's deadline: still write what was measured
     from transformers import AutoTokenizer  # here: --help needs no transformers
 
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     launchers = {"patched": ("akv.system.launch_server", dict(os.environ)),
                  "stock": ("sglang.launch_server", {**os.environ, "PYTHONPATH": str(args.stock_site)})}
     running: dict[str, Server] = {}
-    report: dict[str, Any] = {**results.header("bench/akv_decode_bench.py", argv), "server_args": COMMON, "pools": POOLS,
+    report: dict[str, Any] = {**results.header("bench/akv_decode_bench.py", argv), "server_args": flags, "pools": POOLS,
                               "goal_ratio": GOAL_RATIO, "burst_goal": BURST_GOAL,
                               "floor_us_per_1k_live_tokens": FLOOR_US_PER_1K,
                               "startup_s": {}, "warm_s": {}, "runs": {}}
@@ -207,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def start(side: str, port: int) -> Server:
         module, side_env = launchers[side]
-        return servers.launch(side, module, args.model, [*COMMON, *POOLS[side]], side_env, port,
+        return servers.launch(side, module, args.model, [*flags, *POOLS[side]], side_env, port,
                               args.out.parent / f"server-decode-{side}.log")
 
     def warm(side: str) -> None:

@@ -3,7 +3,8 @@
 ``python -m akv.system.launch_server [SGLang flags]`` checks that the installed SGLang is the AKV
 build, adds ``--page-size 1``, ``--attention-backend``, ``--radix-cache-backend akv`` and
 ``--disable-hybrid-swa-memory`` unless given (the attention backend is ``flashinfer`` on a CUDA
-device with FlashInfer installed and a model without sliding-window layers, ``triton`` elsewhere),
+device with FlashInfer installed and a model without sliding-window layers, ``triton`` elsewhere;
+``--attention-backend fa3`` is taken where FA3 runs: a CUDA device of compute capability 8.x or 9.x),
 refuses flags that contradict them (and a disabled radix cache or chunked prefill), and hands every
 flag to SGLang's own launcher. Give the model's ``--reasoning-parser`` (e.g. ``qwen3``) for the
 Anthropic ``clear_thinking_20251015`` edit on ``/v1/messages``: without one SGLang leaves earlier
@@ -72,6 +73,9 @@ variable to ``1`` for the server's processes (:func:`take_akv_switches`)."""
 DECODE_RADIX_CACHE = ("--radix-cache-backend conflicts with --disaggregation-mode decode: a decode server keeps "
                       "SGLang's own cache (it receives KV and computes no prompt; leave the flag out)")
 
+FA3 = "fa3"
+_BACKEND_FLAGS = ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")
+
 _SERVER_ARGS_FIELDS: dict[str, str] = {flag: flag[2:].replace("-", "_") for flag in ALLOWED}
 
 
@@ -81,10 +85,12 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Machine:
-    """What decides the default attention backend: a CUDA device, and FlashInfer installed."""
+    """What decides the attention backend: a CUDA device, FlashInfer installed, and whether the device
+    runs FA3 (compute capability 8.x or 9.x, what SGLang's ``fa3`` backend asks of a non-MLA model)."""
 
     cuda: bool
     flashinfer: bool
+    fa3: bool = False
 
     @classmethod
     def detect(cls) -> Machine:
@@ -94,7 +100,8 @@ class Machine:
             import torch
         except ImportError:
             return cls(cuda=False, flashinfer=flashinfer)
-        return cls(cuda=torch.cuda.is_available(), flashinfer=flashinfer)
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, flashinfer=flashinfer, fa3=cuda and torch.cuda.get_device_capability()[0] in (8, 9))
 
 
 def default_attention_backend(argv: list[str], machine: Machine) -> str:
@@ -207,7 +214,15 @@ def apply_akv_defaults(argv: list[str], machine: Machine | None = None) -> list[
             raise LaunchError(DECODE_RADIX_CACHE)
         del defaults["--radix-cache-backend"]
     if "--attention-backend" not in given:
-        defaults["--attention-backend"] = default_attention_backend(argv, machine or Machine.detect())
+        machine = machine or Machine.detect()
+        defaults["--attention-backend"] = default_attention_backend(argv, machine)
+    for flag in (f for f, value in given.items() if value == FA3 and f in _BACKEND_FLAGS):
+        machine = machine or Machine.detect()
+        device = _flag_value(argv, "--device")
+        if not machine.fa3 or device not in (None, "cuda"):
+            where = f"--device {device}" if device not in (None, "cuda") else "this machine has none"
+            raise LaunchError(f"{flag} {FA3!r} needs a CUDA device of compute capability 8.x or 9.x ({where}); "
+                              f"use {flag} {' or '.join(b for b in ATTENTION_BACKENDS if b != FA3)}")
     missing = [item for flag, value in defaults.items() if flag not in given for item in (flag, value)]
     switches = [flag for flag in AKV_SWITCHES if flag not in argv]
     return list(argv) + missing + switches
@@ -302,7 +317,8 @@ def usage(version: str | None) -> str:
             f"\n\n{__doc__.strip()}\n\n"
             f"Added unless given (default: {added}, {' '.join(AKV_SWITCHES)}, --attention-backend "
             f"flashinfer on CUDA with FlashInfer installed, else triton; on this machine "
-            f"{default_attention_backend([], Machine.detect())}).\n{sglang}\n")
+            f"{default_attention_backend([], Machine.detect())}). --attention-backend fa3 is taken on a CUDA "
+            f"device of compute capability 8.x or 9.x.\n{sglang}\n")
 
 
 def main(argv: list[str] | None = None) -> int:

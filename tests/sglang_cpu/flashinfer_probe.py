@@ -1,11 +1,13 @@
-"""Test-side probe: FlashInfer's plans for every context forward the CPU scheduler runs.
+"""Test-side probe: FlashInfer's plans and FA3's metadata for every context forward the CPU
+scheduler runs.
 
-FlashInfer itself is CUDA-only, so :mod:`akv.system.adapter.flashinfer_lists` runs here against
-stand-in wrappers that record what they are planned with, for the very forward batches the triton
-backend serves (whose lists the oracle checks end to end). For each batch the FlashInfer lists must
-equal the triton backend's: decode the same visible columns, eagerly and into a padded CUDA-graph
-buffer; extend each entry's visible prefix followed by its own slots (the forward's new slots, in
-query order), with query segments that cut every request's queries.
+FlashInfer and FA3 are CUDA-only, so :mod:`akv.system.adapter.flashinfer_lists` runs here against
+stand-in wrappers that record what they are planned with, and :mod:`akv.system.adapter.fa3_lists`
+against a stand-in backend, for the very forward batches the triton backend serves (whose lists the
+oracle checks end to end). For each batch the FlashInfer lists and FA3's page-table rows must equal
+the triton backend's: decode the same visible columns, eagerly and into padded CUDA-graph buffers;
+extend each entry's visible prefix followed by its own slots (the forward's new slots, in query
+order), with query segments that cut every request's queries.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 import torch
 
-from akv.system.adapter import batch_metadata, flashinfer_lists
+from akv.system.adapter import batch_metadata, fa3_lists, flashinfer_lists
 
-STATS: dict[str, Any] = {"decode": 0, "extend": 0, "mismatches": []}
+STATS: dict[str, Any] = {"decode": 0, "extend": 0, "fa3_decode": 0, "fa3_extend": 0, "mismatches": []}
 _PAD = 2
 
 
@@ -41,8 +43,10 @@ def install() -> None:
         lists = _split(indptr, indices)
         if forward_batch.forward_mode.is_decode_or_idle():
             _check_decode(forward_batch, req_to_token, lists)
+            _check_fa3_decode(forward_batch, req_to_token, lists)
         else:
             _check_extend(forward_batch, req_to_token, lists)
+            _check_fa3_extend(forward_batch, req_to_token, lists)
         return indptr, indices
 
     batch_metadata.triton_kv_lists = probing
@@ -54,7 +58,7 @@ def report() -> dict[str, Any]:
 
 def reset() -> None:
     """Counts start from zero again (the driver's next part)."""
-    STATS.update(decode=0, extend=0, mismatches=[])
+    STATS.update(decode=0, extend=0, fa3_decode=0, fa3_extend=0, mismatches=[])
 
 
 def _mismatch(kind: str, what: str, got: Any, expected: Any) -> None:
@@ -122,3 +126,50 @@ def _check_extend(fb: Any, req_to_token: torch.Tensor, prefixes: list[list[int]]
         _mismatch("extend", "paged lists", _split(kv_indptr, kv_indices), expected)
     if int(kv_indices.numel()) != sum(map(len, expected)) or last_page_len.tolist() != [1] * n:
         _mismatch("extend", "sizes", (kv_indices.numel(), last_page_len.tolist()), sum(map(len, expected)))
+
+
+def _fa3_rows(metadata: Any, n: int) -> list[list[int]]:
+    return [metadata.page_table[i, : int(metadata.cache_seqlens_int32[i])].tolist() for i in range(n)]
+
+
+def _fa3_backend(req_to_token: torch.Tensor) -> SimpleNamespace:
+    return SimpleNamespace(req_to_token=req_to_token, _sched_meta_buf=None, _compute_scheduler_metadata=lambda *_: None)
+
+
+def _check_fa3_decode(fb: Any, req_to_token: torch.Tensor, expected: list[list[int]]) -> None:
+    STATS["fa3_decode"] += 1
+    bs = len(expected)
+    eager = SimpleNamespace(forward_mode=fb.forward_mode, batch_size=bs, req_pool_indices=fb.req_pool_indices,
+                            seq_lens=fb.seq_lens, akv=fb.akv)
+    metadata = fa3_lists.eager_metadata(_fa3_backend(req_to_token), eager, SimpleNamespace())
+    if _fa3_rows(metadata, bs) != expected or metadata.cu_seqlens_q.tolist() != list(range(bs + 1)):
+        _mismatch("fa3 decode", "eager rows", _fa3_rows(metadata, bs), expected)
+
+    padded_bs = bs + _PAD
+    graph = SimpleNamespace(
+        batch_size=padded_bs, akv=fb.akv,
+        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(_PAD, dtype=fb.req_pool_indices.dtype)]),
+        seq_lens=torch.cat([fb.seq_lens, torch.ones(_PAD, dtype=fb.seq_lens.dtype)]),
+    )
+    captured = SimpleNamespace(page_table=torch.full((padded_bs, req_to_token.shape[1]), -1, dtype=torch.int32),
+                               cache_seqlens_int32=torch.zeros(padded_bs, dtype=torch.int32),
+                               cu_seqlens_q=torch.arange(padded_bs + 1, dtype=torch.int32),
+                               cu_seqlens_k=torch.zeros(padded_bs + 1, dtype=torch.int32), scheduler_metadata=None)
+    backend = _fa3_backend(req_to_token)
+    backend.decode_cuda_graph_metadata = {padded_bs: captured}
+    fa3_lists.fill_decode_graph(backend, graph)
+    padding = [[int(req_to_token[0, 0])]] * _PAD
+    if _fa3_rows(captured, padded_bs) != expected + padding or backend.forward_metadata is not captured:
+        _mismatch("fa3 decode", "graph rows", _fa3_rows(captured, padded_bs), expected + padding)
+
+
+def _check_fa3_extend(fb: Any, req_to_token: torch.Tensor, prefixes: list[list[int]]) -> None:
+    STATS["fa3_extend"] += 1
+    metadata = fa3_lists.eager_metadata(_fa3_backend(req_to_token), fb, SimpleNamespace())
+    bounds = metadata.cu_seqlens_q.tolist()
+    own = [fb.out_cache_loc[bounds[i] : bounds[i + 1]].tolist() for i in range(len(prefixes))]
+    expected = [p + o for p, o in zip(prefixes, own)]
+    if len(bounds) != len(prefixes) + 1 or _fa3_rows(metadata, len(prefixes)) != expected:
+        _mismatch("fa3 extend", "rows", _fa3_rows(metadata, len(prefixes)), expected)
+    if metadata.max_seq_len_q != max(b - a for a, b in zip(bounds, bounds[1:])):
+        _mismatch("fa3 extend", "max_seq_len_q", metadata.max_seq_len_q, bounds)

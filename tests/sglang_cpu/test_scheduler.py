@@ -194,9 +194,11 @@ def test_a_reposition_rotates_resident_kv_in_place(matrix_run: tuple[list, dict]
 
 def test_flashinfer_plans_read_the_same_visible_kv(matrix_run: tuple[list, dict]) -> None:
     """FlashInfer's decode lists (eager and into a padded CUDA-graph buffer) and paged-prefill lists,
-    planned through stand-in wrappers for every context forward, equal the triton backend's."""
+    planned through stand-in wrappers for every context forward, and FA3's page-table rows (eager and
+    into padded CUDA-graph buffers), equal the triton backend's."""
     probe = matrix_run[1]["flashinfer_probe"]
     assert probe["decode"] > 0 and probe["extend"] > 0, probe
+    assert probe["fa3_decode"] == probe["decode"] and probe["fa3_extend"] == probe["extend"], probe
     assert probe["n_mismatches"] == 0, probe["mismatches"]
 
 

@@ -25,6 +25,7 @@ PATCHED_FILES = {
     "sglang/srt/entrypoints/openai/protocol.py",
     "sglang/srt/entrypoints/openai/serving_base.py",
     "sglang/srt/entrypoints/openai/serving_chat.py",
+    "sglang/srt/layers/attention/flashattention_backend.py",
     "sglang/srt/layers/attention/flashinfer_backend.py",
     "sglang/srt/layers/attention/triton_backend.py",
     "sglang/srt/managers/io_struct.py",

@@ -54,6 +54,32 @@ def test_triton_where_flashinfer_cannot_run(argv: list[str], machine: ls.Machine
     assert backend(ls.apply_akv_defaults(argv, machine)) == "triton"
 
 
+HOPPER = ls.Machine(cuda=True, flashinfer=True, fa3=True)
+
+
+@pytest.mark.parametrize("flag", ["--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"])
+def test_fa3_is_taken_on_a_cuda_device_that_runs_it_and_flashinfer_stays_the_default(flag: str) -> None:
+    out = ls.apply_akv_defaults(["--model-path", "/m", flag, "fa3"], HOPPER)
+    assert ls._flag_value(out, flag) == "fa3" and out.count("fa3") == 1
+    assert backend(ls.apply_akv_defaults(["--model-path", "/m"], HOPPER)) == "flashinfer"
+    assert backend(ls.apply_akv_defaults(["--model-path", "/m", "--device", "cuda", "--attention-backend=fa3"],
+                                         HOPPER)) == "fa3"
+
+
+@pytest.mark.parametrize(("argv", "machine", "where"), [
+    (["--attention-backend", "fa3"], CPU, "this machine has none"),
+    (["--attention-backend=fa3"], CUDA, "this machine has none"),  # a CUDA device FA3 does not run on
+    (["--decode-attention-backend", "fa3"], ls.Machine(cuda=False, flashinfer=True, fa3=False), "this machine has none"),
+    (["--attention-backend", "fa3", "--device", "cpu"], HOPPER, "--device cpu"),
+])
+def test_fa3_is_refused_where_it_cannot_run_naming_the_backends_that_can(argv, machine, where) -> None:
+    with pytest.raises(ls.LaunchError) as info:
+        ls.apply_akv_defaults(["--model-path", "/m", *argv], machine)
+    flag = argv[0].partition("=")[0]
+    assert str(info.value) == (f"{flag} 'fa3' needs a CUDA device of compute capability 8.x or 9.x ({where}); "
+                               f"use {flag} triton or flashinfer")
+
+
 def test_triton_for_a_model_with_sliding_window_layers(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "gpt_oss", "layer_types": '
                                           '["sliding_attention", "full_attention"]}')
@@ -89,9 +115,9 @@ def test_a_value_on_the_hybrid_swa_switch_is_refused() -> None:
         (["--page-size", "16"], "--page-size", "16"),
         (["--page-size=64"], "--page-size", "64"),
         (["--attention-backend", "torch_native"], "--attention-backend", "torch_native"),
-        (["--attention-backend=fa3"], "--attention-backend", "fa3"),
-        (["--prefill-attention-backend", "fa3"], "--prefill-attention-backend", "fa3"),
-        (["--decode-attention-backend", "fa3"], "--decode-attention-backend", "fa3"),
+        (["--attention-backend=fa4"], "--attention-backend", "fa4"),
+        (["--prefill-attention-backend", "trtllm_mha"], "--prefill-attention-backend", "trtllm_mha"),
+        (["--decode-attention-backend", "fa4"], "--decode-attention-backend", "fa4"),
         (["--page-size", "1", "--page-size", "4"], "--page-size", "4"),
         (["--radix-cache-backend", "lru"], "--radix-cache-backend", "lru"),
     ],
@@ -138,11 +164,12 @@ def test_parsed_server_args_are_checked_too() -> None:
     ls.check_server_args(ok)
     ls.check_server_args(SimpleNamespace(**{**vars(ok), "attention_backend": "flashinfer",
                                             "decode_attention_backend": "flashinfer"}))
+    ls.check_server_args(SimpleNamespace(**{**vars(ok), "attention_backend": "fa3", "decode_attention_backend": "fa3"}))
     for field, value, flag in [
         ("page_size", 4, "--page-size"),
-        ("attention_backend", "fa3", "--attention-backend"),
+        ("attention_backend", "fa4", "--attention-backend"),
         ("attention_backend", None, "--attention-backend"),
-        ("prefill_attention_backend", "fa3", "--prefill-attention-backend"),
+        ("prefill_attention_backend", "trtllm_mha", "--prefill-attention-backend"),
         ("decode_attention_backend", "torch_native", "--decode-attention-backend"),
     ]:
         bad = SimpleNamespace(**{**vars(ok), field: value})

@@ -47,9 +47,15 @@ def test_context_request_yields_its_rules() -> None:
     assert rules == RequestRules(ContextRules(drops=(Drop(anchor=2, messages=(0, 1)),), repositions=(2, 3)))
 
 
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "fa3"])
+def test_context_requests_are_served_on_every_backend_that_executes_them(backend: str) -> None:
+    for server in ({"attention_backend": backend}, {"attention_backend": "triton", "decode_attention_backend": backend}):
+        assert prepare_context_request(_serving(**server), _request(reposition=[1]), False) is not None
+
+
 @pytest.mark.parametrize("drop_message", [None, {}])
 def test_plain_request_is_not_checked_even_on_an_unsupported_setup(drop_message: object) -> None:
-    serving = _serving("chatml", page_size=16, attention_backend="fa3")
+    serving = _serving("chatml", page_size=16, attention_backend="fa4")
     request = _request(drop_message=drop_message, n=3, input_ids=[1, 2], continue_final_message=True)
     assert prepare_context_request(serving, request, True) is None
 
@@ -74,8 +80,8 @@ def test_unsupported_request_modes_are_refused(request_fields: dict, multimodal:
         ("chatml", {}, "chat_template: the built-in template 'chatml'"),
         (None, {"page_size": 16}, "server configuration: page_size 16"),
         (None, {"attention_backend": "torch_native"}, "server configuration: attention_backend 'torch_native'"),
-        (None, {"decode_attention_backend": "fa3"}, "server configuration: decode_attention_backend 'fa3'"),
-        (None, {"prefill_attention_backend": "fa3"}, "server configuration: prefill_attention_backend 'fa3'"),
+        (None, {"decode_attention_backend": "fa4"}, "server configuration: decode_attention_backend 'fa4'"),
+        (None, {"prefill_attention_backend": "trtllm_mha"}, "server configuration: prefill_attention_backend 'trtllm_mha'"),
         (None, {"radix_cache_backend": None}, "server configuration: radix_cache_backend None cannot execute"),
         (None, {"speculative_algorithm": "EAGLE"}, r"server configuration: speculative_algorithm \(speculative"),
         (None, {"enable_lora": True}, r"server configuration: enable_lora \(LoRA\)"),

@@ -59,7 +59,7 @@ def decode_inputs(backend: Any, forward_batch: Any, wrappers: list[Any], spec_in
     else:
         out = torch.empty(int(kv_lens.sum()), dtype=torch.int32, device=req_to_token.device)
     lists = decode_kv_indices(req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
-                              _padded(akv.visibility, bs), out=out, validate=False)
+                              padded_visibility(akv.visibility, bs), out=out, validate=False)
     indptr = backend.kv_indptr[0][: bs + 1]
     indptr.copy_(lists.kv_indptr)
     return GivenLists(indptr, lists.kv_indices), torch.from_numpy(kv_lens)
@@ -79,8 +79,9 @@ def plan_extend(backend: Any, forward_batch: Any) -> None:
     )
 
 
-def _padded(visibility: VisibleUntil, bs: int) -> VisibleUntil:
-    """The visibility with padding entries on row 0 (every column visible)."""
+def padded_visibility(visibility: VisibleUntil, bs: int) -> VisibleUntil:
+    """The visibility of a CUDA-graph batch padded to ``bs`` entries: padding entries on row 0 (every
+    column visible)."""
     missing = bs - visibility.rows.shape[0]
     if missing == 0:
         return visibility

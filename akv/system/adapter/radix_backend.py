@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from akv.system.adapter import fa3_lists as akv_fa3
 from akv.system.adapter import host_rows
 from akv.system.adapter.batch_metadata import VisibilityTable
 from akv.system.adapter.context_request import AkvRequest
@@ -267,8 +268,8 @@ def build(ctx: Any) -> AkvRadixCache:
     """Factory for SGLang's radix-cache registry. Refuses models whose layers keep a recurrent state
     instead of per-token KV (linear / lightning attention: the older MiniMax models), and SGLang's
     hybrid SWA memory: it frees the KV of sliding-layer keys once they leave the window, and a Drop
-    brings older keys back into it; and sliding-window models on FlashInfer (its window wrappers
-    take no AKV lists)."""
+    brings older keys back into it; sliding-window models on FlashInfer (its window wrappers
+    take no AKV lists); and on FA3 what :func:`akv.system.adapter.fa3_lists.check_model` refuses."""
     config = ctx.model_config.hf_config.to_dict()
     if str(config.get("model_type", "")).startswith("minimax"):
         check_supported(config)
@@ -284,4 +285,6 @@ def build(ctx: Any) -> AkvRadixCache:
     if window is not None and "flashinfer" in backends:
         raise ValueError("attention_backend 'flashinfer': AKV's sliding-window KV lists are built for the triton "
                          "backend only; serve this model with --attention-backend triton")
+    if akv_fa3.BACKEND in backends:
+        akv_fa3.check_model(ctx.model_config, window, server_args.kv_cache_dtype)
     return AkvRadixCache(ctx.params, window=window, protect_live=protect_live_enabled())

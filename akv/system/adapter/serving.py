@@ -21,8 +21,8 @@ from akv.system.context.spans import SpanError
 from akv.system.context.thinking import retain_thinking
 
 REQUIRED_PAGE_SIZE = 1
-ATTENTION_BACKENDS = ("triton", "flashinfer")
-"""Attention backends that execute context requests (the first is the launcher's default)."""
+ATTENTION_BACKENDS = ("triton", "flashinfer", "fa3")
+"""Attention backends that execute context requests (the first is the launcher's default off CUDA)."""
 REQUIRED_RADIX_CACHE_BACKEND = "akv"
 
 _CONVERTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="akv-convert")
