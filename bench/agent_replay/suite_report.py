@@ -48,6 +48,23 @@ def ratio_lines(entries: list[dict[str, Any]], goals: bool) -> list[str]:
     return lines
 
 
+STEADY_TURNS = 2
+"""Measured requests per conversation below which a point is the first turns after priming (each
+conversation's first measured turn may recover what priming the others evicted), not steady state."""
+
+
+def short_windows(rows: list[dict[str, Any]]) -> list[str]:
+    """A note per measured point whose window held fewer than :data:`STEADY_TURNS` requests per
+    conversation."""
+    out = []
+    for r in rows:
+        conversations = r.get("conversations") or r["concurrency"]
+        if r.get("requests") and r["requests"] < STEADY_TURNS * conversations:
+            out.append(f"{r['method']} c={r['concurrency']}: {r['requests']} requests for {conversations} "
+                       f"conversations: the first turns after priming, not steady state")
+    return out
+
+
 def best(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
     """The method's row with the highest output throughput (its own best concurrency)."""
     got = [r for r in rows if r["method"] == method and r.get("output_tok_per_s")]
@@ -106,8 +123,9 @@ def markdown(result: dict[str, Any]) -> str:
     if started:
         lines += ["", "Servers: " + "; ".join(started) + (f"; suite {result['total_s']:.0f} s in all"
                                                           if "total_s" in result else "") + "."]
-    if result.get("notes"):
-        lines += ["", *[f"- {n}" for n in result["notes"]]]
+    short = short_windows(rows)
+    if short or result.get("notes"):
+        lines += ["", *[f"- {n}" for n in [*short, *result.get("notes", [])]]]
     return "\n".join(lines) + "\n"
 
 

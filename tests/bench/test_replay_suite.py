@@ -109,3 +109,11 @@ def test_merge_refuses_runs_of_different_gpus(tmp_path, capsys):
     second = _run(tmp_path, "b.json", [_row("standard", 8, 40.0, 20.0)], gpu="GPU 0: NVIDIA H200")
     assert replay_suite.main(["--merge", str(first), str(second), "--out", str(tmp_path / "out")]) == 2
     assert "b.json has machine" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_point_with_under_two_requests_per_conversation_is_flagged():
+    rows = [{**_row("standard", 16, 28.0, 72.0), "requests": 16, "conversations": 16},
+            {**_row("akv_keep12", 4, 188.0, 3.6, "patched"), "requests": 46, "conversations": 4}]
+    text = report.markdown({"command": "c", "label": "t", "rows": rows, "ratios": report.ratios(rows)})
+    assert "- standard c=16: 16 requests for 16 conversations: the first turns after priming" in text
+    assert "akv_keep12 c=4: 46" not in text
