@@ -63,16 +63,27 @@ def chat(server: Server, body: dict[str, Any], max_tokens: int = 8) -> dict[str,
     return server.chat({"tools": TOOLS, **body}, max_tokens, top_logprobs=1)
 
 
-def check_plain_identity(patched: Server, stock: Server, tokenizer: Any) -> dict[str, Any]:
-    rows = []
+def plain_replies(server: Server, tokenizer: Any) -> list[dict[str, Any]]:
+    """Greedy replies (16 tokens) to three plain tool conversations of 1, 4 and 8 steps."""
+    replies = []
     for seed, turns in ((101, 1), (102, 4), (103, 8)):
         conv = Conversation(tokenizer, seed, 300)
         for _ in range(turns):
             conv.step()
-        a, b = chat(patched, {"messages": conv.messages}, 16), chat(stock, {"messages": conv.messages}, 16)
-        rows.append({"prompt_tokens": a["usage"]["prompt_tokens"], "identical": tokens(a) == tokens(b),
-                     "max_logprob_diff": max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b)))})
+        replies.append(chat(server, {"messages": conv.messages}, 16))
+    return replies
+
+
+def compare_plain(patched: list[dict[str, Any]], stock: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`plain_replies` of the patched and the stock server: tokens identical, log-prob gap."""
+    rows = [{"prompt_tokens": a["usage"]["prompt_tokens"], "identical": tokens(a) == tokens(b),
+             "max_logprob_diff": max(abs(x - y) for x, y in zip(logprobs(a), logprobs(b)))}
+            for a, b in zip(patched, stock)]
     return {"rows": rows, "ok": all(r["identical"] for r in rows)}
+
+
+def check_plain_identity(patched: Server, stock: Server, tokenizer: Any) -> dict[str, Any]:
+    return compare_plain(plain_replies(patched, tokenizer), plain_replies(stock, tokenizer))
 
 
 def ten_turn_payloads(tokenizer: Any) -> list[dict[str, Any]]:

