@@ -67,8 +67,8 @@ class AkvRequest:
     # ---- planning -------------------------------------------------------------------------------
 
     def plan_draft(self, core: CacheCore, *, cold: bool = False, room: int | None = None) -> Draft:
-        """The draft against the tree as it is now (recomputed only when the tree changed, unless
-        locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode). ``room``
+        """The draft against the tree as it is now (recomputed only when the tree changed on its path,
+        :meth:`akv.system.cache.core.CacheCore.current`, unless locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode). ``room``
         (kept for later calls): the most slots the request may hold (the pool less its new tokens and
         admission's slack). A draft that would hold more (what it borrows as well as its births and
         copies) is planned again with its births re-rotated in place, and if that still holds more,
@@ -78,7 +78,7 @@ class AkvRequest:
             self._room = room
         if self.pinned is not None and self.draft is not None:
             return self.draft
-        if (self.draft is None or self.draft.epoch != core.epoch or cold != self._cold
+        if (self.draft is None or cold != self._cold or not core.current(self.draft)
                 or core.contested(self.draft) or core.reads_reserved(self.draft)):
             started = time.perf_counter()
             self.draft = self._fitting_draft(core, cold)

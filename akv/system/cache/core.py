@@ -1,7 +1,8 @@
 """The cache core an engine drives, in the engine's own order:
 
 - :meth:`CacheCore.match` — pure and cheap to repeat: the tree's versions for a program and a
-  :class:`Draft` plan with virtual slots (valid while the tree's ``epoch`` is unchanged);
+  :class:`Draft` plan with virtual slots (valid while the tree's path it matched is unchanged:
+  :meth:`CacheCore.current`);
 - :meth:`CacheCore.commit` — at the engine's lock time: take references on the borrowed versions
   and allocate the copy slots; returns the :class:`ActiveRequest` handle;
 - :meth:`CacheCore.bind_births` — the engine allocates each chunk's birth slots and hands them over;
@@ -29,7 +30,7 @@ from akv.system.cache.keys import RecordKey, program_key
 from akv.system.cache.occurrence import DraftPlan, bind_births, plan_occurrences
 from akv.system.cache.plan import MatchResult, RequestPlan
 from akv.system.cache.pool import PoolExhausted, SlotPool
-from akv.system.cache.tree import RadixTree
+from akv.system.cache.tree import PathMark, RadixTree
 from akv.system.context.program import ContextProgram
 
 
@@ -43,14 +44,14 @@ class RequestStateError(ValueError):
 
 @dataclass(frozen=True)
 class Draft:
-    """A matched, planned, uncommitted request (holds nothing). ``epoch``: the tree's epoch it was
-    planned against; commit refuses a draft the tree has changed since."""
+    """A matched, planned, uncommitted request (holds nothing). ``mark``: the tree path it was planned
+    against; commit refuses a draft whose path the tree has changed since."""
 
     program: ContextProgram
     key: RecordKey
     match: MatchResult
     plan: DraftPlan
-    epoch: int
+    mark: PathMark
 
     @property
     def n_births(self) -> int:
@@ -109,7 +110,13 @@ class CacheCore:
         match = MatchResult.empty() if cold else self.resident(key)
         takeable = self.tree.exclusive(key, match) if (compact or in_place) and match.n_tokens else None
         plan = plan_occurrences(program, match, compact=compact, takeable=takeable, births_in_place=births_in_place)
-        return Draft(program, key, match, plan, self.tree.epoch)
+        return Draft(program, key, match, plan, self.tree.mark(key))
+
+    def current(self, draft: Draft) -> bool:
+        """Whether ``draft`` is still what :meth:`match` would plan: nothing on its tree path changed
+        in a way that could change its match or the versions it rotates in place
+        (:meth:`akv.system.cache.tree.RadixTree.unchanged`)."""
+        return self.tree.unchanged(draft.mark, draft.plan.taken)
 
     def resident(self, key: RecordKey) -> MatchResult:
         """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
@@ -156,8 +163,8 @@ class CacheCore:
 
     def _commit(self, draft: Draft, held: bool, *, with_births: bool) -> ActiveRequest:
         """:meth:`commit`; ``with_births`` allocates and binds the births too (one allocation)."""
-        if not held and draft.epoch != self.tree.epoch:
-            raise RequestStateError(f"draft: planned at tree epoch {draft.epoch}, the tree is at {self.tree.epoch}")
+        if not held and not self.current(draft):
+            raise RequestStateError("draft: the tree changed on its path since it was planned")
         taken = draft.plan.taken
         if self.contested(draft, held=held):
             raise RequestStateError("draft: a version it rotates in place was referenced since it was planned")
