@@ -129,9 +129,11 @@ class AkvRequest:
             core.reserve(self.reserved)
             self.admission_s += time.perf_counter() - started
 
-    def unlock(self, core: CacheCore) -> None:
+    def unlock(self, core: CacheCore, *, handed_over: bool = False) -> None:
+        """Drop the lock (``handed_over``: its references now belong to the committed request)."""
         if self.pinned is not None:
-            core.pool.decref(self.pinned)
+            if not handed_over:
+                core.pool.decref(self.pinned)
             core.unreserve(self.reserved)
             self.pinned = None
 
@@ -147,8 +149,8 @@ class AkvRequest:
             self.unlock(core)
             draft, held = self.plan_draft(core, cold=self._cold), False
         started = time.perf_counter()
-        self.active = core.commit(draft, held=held)
-        self.unlock(core)
+        self.active = core.commit(draft, held=held, hand_over=True)
+        self.unlock(core, handed_over=held)
         self.admission_s += time.perf_counter() - started
         self.segment = 0
         self.terminal_written = False

@@ -108,7 +108,9 @@ class CacheCore:
         while nothing else takes a reference before commit (:meth:`contested`)."""
         key = program_key(program, namespace)
         match = MatchResult.empty() if cold else self.resident(key)
-        takeable = self.tree.exclusive(key, match) if (compact or in_place) and match.n_tokens else None
+        takeable = None
+        if (compact or in_place) and match.n_tokens:
+            takeable = lambda tokens: self.tree.exclusive(key, match, tokens)  # noqa: E731 - asked only for copy sources
         plan = plan_occurrences(program, match, compact=compact, takeable=takeable, births_in_place=births_in_place)
         return Draft(program, key, match, plan, self.tree.mark(key))
 
@@ -154,14 +156,15 @@ class CacheCore:
         taken = draft.plan.taken
         return bool(taken.size) and bool((self.pool.request_refs(taken) > (1 if held else 0)).any())
 
-    def commit(self, draft: Draft, *, held: bool = False) -> ActiveRequest:
+    def commit(self, draft: Draft, *, held: bool = False, hand_over: bool = False) -> ActiveRequest:
         """Reference the draft's borrowed versions and allocate its copy slots (evicting as needed).
         Atomic: on :class:`CacheFull` nothing is held. ``held``: the caller has held references on
         the borrowed versions since the draft was planned (an engine's lock), so the plan stands
-        whatever else the tree did meanwhile."""
-        return self._commit(draft, held, with_births=False)
+        whatever else the tree did meanwhile; ``hand_over`` (with ``held``): those references become
+        the request's instead of new ones (the caller drops none; on :class:`CacheFull` it keeps them)."""
+        return self._commit(draft, held, with_births=False, hand_over=held and hand_over)
 
-    def _commit(self, draft: Draft, held: bool, *, with_births: bool) -> ActiveRequest:
+    def _commit(self, draft: Draft, held: bool, *, with_births: bool, hand_over: bool = False) -> ActiveRequest:
         """:meth:`commit`; ``with_births`` allocates and binds the births too (one allocation)."""
         if not held and not self.current(draft):
             raise RequestStateError("draft: the tree changed on its path since it was planned")
@@ -170,11 +173,13 @@ class CacheCore:
             raise RequestStateError("draft: a version it rotates in place was referenced since it was planned")
         borrowed = draft.plan.plan.borrowed
         n_births = draft.n_births if with_births else 0
-        self.pool.incref(borrowed)
+        if not hand_over:
+            self.pool.incref(borrowed)
         try:
             fresh = self.allocate(draft.n_copy_slots + n_births)
         except BaseException:
-            self.pool.decref(borrowed)
+            if not hand_over:
+                self.pool.decref(borrowed)
             raise
         if taken.size:
             self.tree.take(draft.key, taken)

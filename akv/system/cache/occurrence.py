@@ -144,9 +144,11 @@ def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
 
 
 def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bool = False,
-                     takeable: np.ndarray | None = None, births_in_place: bool = False) -> DraftPlan:
+                     takeable: Callable[[np.ndarray], np.ndarray] | None = None,
+                     births_in_place: bool = False) -> DraftPlan:
     """Plan ``program`` against the versions ``match`` found resident; ``compact`` (module docstring)
-    recycles births; the versions ``takeable`` (``match.slots``' shape) marks are rotated in place
+    recycles births; the versions ``takeable`` marks are rotated in place (``takeable(tokens)``: rows
+    of ``match.slots`` for those matched tokens, asked only for the copy sources no earlier step read)
     (compact or not: an in-place plan, module docstring); ``births_in_place`` rotates the request's
     own births in place too (module docstring; ignored by a compact plan)."""
     if match.n_tokens > program.n_tokens:
@@ -275,7 +277,8 @@ class _VersionTable:
     own per token: the birth version it computed and the latest copy it made. Positions only ever
     decrease from stage to stage, so an older copy is never read again by a later step."""
 
-    def __init__(self, program: ContextProgram, match: MatchResult, takeable: np.ndarray | None = None,
+    def __init__(self, program: ContextProgram, match: MatchResult,
+                 takeable: Callable[[np.ndarray], np.ndarray] | None = None,
                  births_in_place: bool = False) -> None:
         n, m = program.n_tokens, match.n_tokens
         tree_width = match.slots.shape[1]
@@ -285,10 +288,7 @@ class _VersionTable:
         self.slots[:m, :tree_width] = match.slots
         self.positions[:m, :tree_width] = np.where(match.slots >= 0, match.positions, _EMPTY)
         self.used = np.zeros(self.slots.shape, dtype=bool)
-        self.takeable: np.ndarray | None = None
-        if takeable is not None and m:
-            self.takeable = np.zeros(self.slots.shape, dtype=bool)
-            self.takeable[:m, :tree_width] = takeable & (match.slots >= 0)
+        self.takeable = takeable if m else None
         self._taken: list[np.ndarray] = []
         self.births_in_place = births_in_place
         self.read = np.zeros(n, dtype=bool)
@@ -359,8 +359,11 @@ class _VersionTable:
         src_col = np.where(at_birth, birth_col, any_col)
         src = slots[miss, src_col]
         old = held[miss, src_col]
-        taken = (np.zeros(need.size, dtype=bool) if self.takeable is None
-                 else self.takeable[need, src_col] & ~self.used[need, src_col])
+        taken = np.zeros(need.size, dtype=bool)
+        if self.takeable is not None:  # tree versions no earlier step read
+            ask = np.flatnonzero((src_col < self.birth_col) & ~self.used[need, src_col])
+            if ask.size:
+                taken[ask] = self.takeable(need[ask])[np.arange(ask.size), src_col[ask]]
         in_place = taken | (self.births_in_place & (src <= -2) & (src > -self._offset))  # own births
         self.used[need, src_col] = True
         self._touch(src, step)

@@ -169,14 +169,15 @@ class RadixTree:
                 return False
         return mark.next_record is None or mark.next_record not in mark.end.children
 
-    def exclusive(self, key: RecordKey, match: MatchResult) -> np.ndarray:
-        """Which versions of ``match`` (a match of ``key``, ``match.slots``' shape) only a request
-        continuing ``key`` could read: no request references the slot, and no recorded path reads
-        it, except the path ending at the leaf the match covers whole (the request's own earlier
-        turn, whose end its publication replaces)."""
-        out = np.zeros(match.slots.shape, dtype=bool)
+    def exclusive(self, key: RecordKey, match: MatchResult, tokens: np.ndarray | None = None) -> np.ndarray:
+        """Which versions of ``match`` (a match of ``key``) only a request continuing ``key`` could read:
+        no request references the slot, and no recorded path reads it, except the path ending at the
+        leaf the match covers whole (the request's own earlier turn, whose end its publication
+        replaces). Rows of ``match.slots`` for ``tokens`` (matched token indexes; default all)."""
+        tokens = np.arange(match.n_tokens) if tokens is None else np.asarray(tokens, dtype=np.int64)
+        out = np.zeros((tokens.size, match.slots.shape[1]), dtype=bool)
         parts = self._path(key)
-        rows = key.token_record[: match.n_tokens]
+        rows = key.token_record[tokens]
         if not parts or rows.size == 0:
             return out
         lengths = np.asarray([common for _, common in parts], dtype=np.int64)
@@ -186,20 +187,20 @@ class RadixTree:
         end_reads = None
         if (common == leaf.key.shape[0] and not leaf.children and leaf.terminal is not None
                 and leaf.terminal.size >= match.n_tokens):
-            end_reads = leaf.terminal[: match.n_tokens]
-        slots, positions = match.slots, match.positions
+            end_reads = leaf.terminal[tokens]
+        slots, positions = match.slots[tokens], match.positions[tokens]
         free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
         for p, (node, _) in enumerate(parts):
-            tokens = np.flatnonzero(which == p)
-            if tokens.size == 0:
+            mine = np.flatnonzero(which == p) if len(parts) > 1 else np.arange(tokens.size)
+            if mine.size == 0:
                 continue
-            local = rows[tokens] - (ends[p] - lengths[p])
+            local = rows[mine] - (ends[p] - lengths[p])
             read_pos, read_cnt = node.read_pos[local], node.read_cnt[local]
-            counts = ((positions[tokens][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
+            counts = ((positions[mine][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
             alone = counts == 0
             if end_reads is not None:
-                alone |= (counts == 1) & (positions[tokens] == end_reads[tokens][:, None])
-            out[tokens] = free[tokens] & alone
+                alone |= (counts == 1) & (positions[mine] == end_reads[mine][:, None])
+            out[mine] = free[mine] & alone
         return out
 
     def take(self, key: RecordKey, slots: np.ndarray) -> None:
