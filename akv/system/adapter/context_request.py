@@ -37,9 +37,12 @@ VISIBLE_ALWAYS = np.iinfo(np.int32).max
 """``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
 
 
-def _holds(draft: Draft, pool: SlotPool) -> int:
-    """Slots a request planned by ``draft`` holds at its peak: births, copy slots and borrowed versions."""
-    return draft.plan.n_births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
+def _holds(draft: Draft, pool: SlotPool, room: int) -> int:
+    """Slots a request planned by ``draft`` holds at its peak: births, copy slots and borrowed versions
+    (counted once each only when listing them all would exceed ``room``)."""
+    own = draft.plan.n_births + draft.n_copy_slots
+    borrowed = draft.plan.plan.borrowed
+    return own + (borrowed.size if own + borrowed.size <= room else pool.n_distinct(borrowed))
 
 
 class AkvRequest:
@@ -60,6 +63,7 @@ class AkvRequest:
         self.segment = 0
         self.terminal_written = False
         self._kept: tuple[ContextProgram, int] | None = None
+        self._shared: tuple[Draft, tuple[Segment, ...]] | None = None
         self.window: int | None = None  # the model's sliding window, set by the radix cache
         self.admission_s = 0.0  # host seconds spent matching, planning, locking and committing
         self.prefill = PrefillStats()  # where its prefill's time went (reported and reset when released)
@@ -88,10 +92,10 @@ class AkvRequest:
 
     def _fitting_draft(self, core: CacheCore, cold: bool) -> Draft:
         draft = core.match(self.program, self.namespace, cold=cold, in_place=True)
-        if self._room is None or _holds(draft, core.pool) <= self._room:
+        if self._room is None or _holds(draft, core.pool, self._room) <= self._room:
             return draft
         draft = core.match(self.program, self.namespace, cold=cold, in_place=True, births_in_place=True)
-        if cold or _holds(draft, core.pool) <= self._room:
+        if cold or _holds(draft, core.pool, self._room) <= self._room:
             return draft
         return core.match(self.program, self.namespace, cold=True, births_in_place=True)
 
@@ -105,7 +109,9 @@ class AkvRequest:
         """The draft's segments, copies named by the slot they will share (rounds are cut where a
         copy reuses a slot an earlier segment of the round reads)."""
         assert self.draft is not None
-        return self.draft.plan.shared_segments()
+        if self._shared is None or self._shared[0] is not self.draft:  # asked at every scheduling step
+            self._shared = (self.draft, self.draft.plan.shared_segments())
+        return self._shared[1]
 
     def round_end(self, segment: Segment, lo: int, hi: int) -> int:
         """End of a round of ``segment`` from column ``lo``, at most ``hi``: where SGLang's sliding-window

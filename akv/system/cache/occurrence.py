@@ -80,7 +80,7 @@ class DraftPlan:
     @property
     def n_births(self) -> int:
         """Birth slots the engine allocates (none in a compact plan: its births are copy slots)."""
-        return 0 if self.compact else int(self.plan.computed.sum())
+        return 0 if self.compact else int(np.count_nonzero(self.plan.computed))
 
     @property
     def n_slots(self) -> int:
