@@ -342,23 +342,28 @@ class _VersionTable:
         exact = held == positions[:, None]  # an empty cell holds position -1, never read
         found, col = first_true(exact)
         width = slots.shape[1]
-        cell = np.arange(tokens.size) * width + col
-        out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
-        hit = np.flatnonzero(found)
-        self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
-        self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
         self.read[tokens] = True
-        self._touch(out[hit], _FOREVER if pinned else step)
-        miss = np.flatnonzero(~found)
-        need = tokens[miss]
-        sources = slots[miss] != _EMPTY
+        if found.any():
+            cell = np.arange(tokens.size) * width + col
+            out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
+            hit = np.flatnonzero(found)
+            self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
+            self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
+            self._touch(out[hit], _FOREVER if pinned else step)
+            miss = np.flatnonzero(~found)
+            need, slots, held, new = tokens[miss], slots[miss], held[miss], positions[miss]
+        else:  # every read needs a copy (a repositioned span): no row to pick out
+            out, miss = np.empty(tokens.size, dtype=np.int64), slice(None)
+            need, new = tokens, positions
+        sources = slots != _EMPTY
         has_source, any_col = first_true(sources)
         if not has_source.all():
             raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
-        at_birth, birth_col = first_true(sources & (held[miss] == self.birth[need][:, None]))
+        at_birth, birth_col = first_true(sources & (held == self.birth[need][:, None]))
         src_col = np.where(at_birth, birth_col, any_col)
-        src = slots[miss, src_col]
-        old = held[miss, src_col]
+        rows = np.arange(need.size)
+        src = slots[rows, src_col]
+        old = held[rows, src_col]
         taken = np.zeros(need.size, dtype=bool)
         if self.takeable is not None:  # tree versions no earlier step read
             ask = np.flatnonzero((src_col < self.birth_col) & ~self.used[need, src_col])
@@ -378,7 +383,6 @@ class _VersionTable:
                 self._taken.append(src[taken])
             self.slots[need[in_place], src_col[in_place]] = _EMPTY
             self.positions[need[in_place], src_col[in_place]] = _EMPTY
-        new = positions[miss]
         self.slots[need, self.copy_col] = dst
         self.positions[need, self.copy_col] = new
         self.rerotated[need] = True
