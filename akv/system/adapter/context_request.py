@@ -165,12 +165,14 @@ class AkvRequest:
 
     def release(self, core: CacheCore, generated_ids: np.ndarray | None = None,
                 generated_slots: np.ndarray | None = None, *, publish: bool) -> None:
-        """Finish (publish) or abort the committed request (or drop its lock); the caller owns
+        """Finish (publish) or abort the committed request (or drop its lock, keeping its draft: SGLang
+        locks a waiting request to check its budget and unlocks it when it must wait); the caller owns
         ``generated_slots``."""
         self.unlock(core)
-        active, self.active, self.draft, self.locks = self.active, None, None, 0
+        active, self.active, self.locks = self.active, None, 0
         if active is None:
             return
+        self.draft = None
         if publish:
             core.finish(active, generated_ids, generated_slots)
         else:
