@@ -323,12 +323,20 @@ class _VersionTable:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
         version exists (``pinned`` copies live to the end). Reads that find the tree's first version
         (most of a next turn's: the KV as stored) are taken without gathering the other versions."""
-        first = self.positions[tokens, 0] == positions if self.birth_col else np.zeros(tokens.size, dtype=bool)
+        if not self.birth_col or not tokens.size:
+            return self._resolve(tokens, positions, step, pinned)
+        # tokens are ascending and distinct: a run of consecutive tokens is read through views
+        rows = slice(int(tokens[0]), int(tokens[-1]) + 1) if tokens[-1] - tokens[0] + 1 == tokens.size else tokens
+        first = self.positions[rows, 0] == positions
         if not first.any():
             return self._resolve(tokens, positions, step, pinned)
-        out = self.slots[tokens, 0]
-        self.used[tokens[first], 0] = True
-        self.read[tokens[first]] = True
+        out = self.slots[rows, 0].copy() if isinstance(rows, slice) else self.slots[rows, 0]
+        if isinstance(rows, slice):
+            self.used[rows, 0] |= first
+            self.read[rows] |= first
+        else:
+            self.used[tokens[first], 0] = True
+            self.read[tokens[first]] = True
         rest = np.flatnonzero(~first)
         job = CopyJob(*(frozen(np.zeros(0, np.int64), np.int64),) * 5)
         if rest.size:
@@ -369,7 +377,7 @@ class _VersionTable:
             ask = np.flatnonzero((src_col < self.birth_col) & ~self.used[need, src_col])
             if ask.size:
                 taken[ask] = self.takeable(need[ask])[np.arange(ask.size), src_col[ask]]
-        in_place = taken | (self.births_in_place & (src <= -2) & (src > -self._offset))  # own births
+        in_place = taken | ((src <= -2) & (src > -self._offset)) if self.births_in_place else taken  # own births
         self.used[need, src_col] = True
         self._touch(src, step)
         if not in_place.any():
@@ -396,9 +404,11 @@ class _VersionTable:
 
     def borrowed(self) -> np.ndarray:
         """Tree slots the plan reads or rotates in place."""
-        cells = np.flatnonzero(self.used.reshape(-1))
-        cells = cells[cells % self.slots.shape[1] < self.birth_col]
-        read = self.slots.reshape(-1)[cells]
+        if self.birth_col == 1:  # one tree column, the usual case
+            read = self.slots[np.flatnonzero(self.used[:, 0]), 0]
+        else:
+            cells = np.flatnonzero(self.used.reshape(-1))
+            read = self.slots.reshape(-1)[cells[cells % self.slots.shape[1] < self.birth_col]]
         if not self._taken:
             return frozen(read, np.int64)
         return frozen(np.concatenate([read[read >= 0], self.taken()]), np.int64)
