@@ -81,3 +81,22 @@ def test_a_current_draft_is_what_a_fresh_match_would_allow(data: st.DataObject) 
     for request in held:
         core.abort(request)
     assert core.pool.n_protected == 0
+
+
+def test_a_new_reader_of_the_path_end_invalidates_an_in_place_draft() -> None:
+    """The draft rotates in place a version only its own earlier turn reads, in a node above the
+    turn's end; then another turn extends that end (the old end's reads pass to the new one, the node
+    holding the version is not touched). The version now has a reader besides the draft's own path,
+    so the draft is stale."""
+    s, m0, x, z, y, g = (1, 2), (3, 4, 5), (6, 7), (8, 9), (10, 11), (12,)
+    core = CacheCore(SlotPool(200))
+    core.finish(core.admit(Conversation((s, m0, x), {}, ()).program(2), in_place=True))
+    # another conversation shares s and m0 (splitting the turn's node after them) and drops both
+    core.finish(core.admit(Conversation((s, m0, z), {2: (0, 1)}, ()).program(2), in_place=True))
+    program = Conversation((s, m0, x, g), {2: (0, 2)}, (2,)).program(3)
+    draft = core.match(program, in_place=True)
+    assert draft.plan.taken.size == len(m0), "the draft rotates m0's versions in place"
+    core.finish(core.admit(Conversation((s, m0, x, y), {}, ()).program(3), in_place=True))
+    fresh = core.match(program, in_place=True)
+    assert fresh.plan.taken.size < draft.plan.taken.size  # the tree's own rule, recomputed
+    assert not core.current(draft)
