@@ -91,6 +91,8 @@ class DraftPlan:
         """The segments with each copy named by the slot it will share (``-2 - n_tokens - colors[k]``
         for version ``k``), so two entries name the same id exactly when they will name the same slot
         once bound; births and tree slots as they are."""
+        if self.n_copy_slots == self.colors.size:  # no slot shared (recycle_slots numbers them in order)
+            return self.plan.segments
         offset = 2 + self.n_tokens
         recolor = np.append(-offset - self.colors, _EMPTY)
 
