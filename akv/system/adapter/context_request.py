@@ -72,11 +72,12 @@ class AkvRequest:
 
     def plan_draft(self, core: CacheCore, *, cold: bool = False, room: int | None = None) -> Draft:
         """The draft against the tree as it is now (recomputed only when the tree changed on its path,
-        :meth:`akv.system.cache.core.CacheCore.current`, unless locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode). ``room``
-        (kept for later calls): the most slots the request may hold (the pool less its new tokens and
-        admission's slack). A draft that would hold more (what it borrows as well as its births and
-        copies) is planned again with its births re-rotated in place, and if that still holds more,
-        cold with its births in place: its births alone, which always fit
+        :meth:`akv.system.cache.core.CacheCore.current`, unless locked); ``cold`` plans every token as
+        recomputed (SGLang's forced-miss test mode). ``room`` (kept for later calls): the most slots
+        the request may hold (the pool less its new tokens and admission's slack). A draft that would
+        hold more (what it borrows as well as its births and copies) is planned again with its births
+        re-rotated in place, and if that still holds more, cold with its births in place: its births
+        alone, which always fit
         (:func:`akv.system.adapter.scheduling.attach`), else the request could never be admitted."""
         if room is not None:
             self._room = room

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -108,9 +109,7 @@ class CacheCore:
         while nothing else takes a reference before commit (:meth:`contested`)."""
         key = program_key(program, namespace)
         match = MatchResult.empty() if cold else self.resident(key)
-        takeable = None
-        if (compact or in_place) and match.n_tokens:
-            takeable = lambda tokens: self.tree.exclusive(key, match, tokens)  # noqa: E731 - asked only for copy sources
+        takeable = partial(self.tree.exclusive, key, match) if (compact or in_place) and match.n_tokens else None
         plan = plan_occurrences(program, match, compact=compact, takeable=takeable, births_in_place=births_in_place)
         return Draft(program, key, match, plan, self.tree.mark(key))
 

@@ -149,8 +149,8 @@ class RadixTree:
         if not parts or parts[-1][1] == parts[-1][0].key.shape[0]:
             end = parts[-1][0] if parts else root
             next_record = int(key.records[i]) if i < key.records.shape[0] else None
-        return PathMark(key.namespace, root, tuple((node, common, node.changes, node.read_changes) for node, common in parts),
-                        end, next_record)
+        marks = tuple((node, common, node.changes, node.read_changes) for node, common in parts)
+        return PathMark(key.namespace, root, marks, end, next_record)
 
     def unchanged(self, mark: PathMark, taken: np.ndarray) -> bool:
         """Whether a match of the key ``mark`` was taken for would find the same records and versions,
