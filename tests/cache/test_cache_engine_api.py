@@ -78,7 +78,7 @@ def test_commit_refuses_a_draft_the_tree_changed_under() -> None:
     conv = Conversation(MESSAGES, {}, ())
     draft = core.match(conv.program(3))
     core.finish(core.admit(conv.program(1)))
-    with pytest.raises(RequestStateError, match="draft: planned at tree epoch"):
+    with pytest.raises(RequestStateError, match="draft: the tree changed on its path"):
         core.commit(draft)
     assert core.pool.n_protected == 0
 

@@ -42,15 +42,17 @@ def serve(site: Path, model: Path, waves: list[dict], **settings: Any) -> dict[s
 def serve_parts(site: Path, model: Path, parts: list[list[dict]], *, overlap: bool = False, chunk: int = 4,
                 backend: str | None = "akv", env: dict[str, str] | None = None, max_total_tokens: int = 4096,
                 timeout: int = 1500, server_args: dict[str, Any] | None = None,
-                flashinfer_probe: bool = False, audit: bool = False) -> list[dict[str, Any]]:
+                flashinfer_probe: bool = False, audit: bool = False, count_calls: bool = False) -> list[dict[str, Any]]:
     """Run each part's waves through one scheduler in its own process, the cache flushed between
     parts (each part meets the scheduler as a fresh one would); a report per part.
     ``server_args`` are extra ``ServerArgs`` fields (model-specific flags); ``flashinfer_probe`` also
     plans FlashInfer for every context forward (see flashinfer_probe.py); ``audit`` checks every
-    cache read against the brute force while it runs."""
+    cache read against the brute force while it runs; ``count_calls`` counts the cache core's calls per
+    wave (``scheduler_driver.CoreCalls``)."""
     job = {"model": str(model), "overlap": overlap, "chunk": chunk, "backend": backend,
            "env": {**STRICT, **(env or {})}, "parts": parts, "max_total_tokens": max_total_tokens,
-           "server_args": server_args or {}, "flashinfer_probe": flashinfer_probe, "audit": audit}
+           "server_args": server_args or {}, "flashinfer_probe": flashinfer_probe, "audit": audit,
+           "count_calls": count_calls}
     process_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(HERE / "scheduler_driver.py")], input=json.dumps(job),
                           capture_output=True, text=True, env=process_env, timeout=timeout, check=False)

@@ -12,7 +12,11 @@ detokenizer. Per request the result holds the output ids, the usage SGLang repor
 next-token logits of every forward that predicts a generated token (keyed by its index).
 
 With ``audit`` on, :class:`Audit` checks every read of the AKV cache against the brute force of
-``tests/cache/brute.py`` while the scheduler runs.
+``tests/cache/brute.py`` while the scheduler runs. With ``count_calls`` on, each wave's report counts
+the cache core's calls during it (:class:`CoreCalls`). With ``stub_attention`` on, the Triton backend's
+attention kernels write zeros instead of attending (everything else runs: scheduling, the cache core,
+KV writes, re-rotation copies): for measuring the host work of long contexts, which the interpreted
+kernels would take hours to attend over; the outputs are then meaningless.
 
 Test-side setup only (nothing here changes SGLang): the torchvision shim, the Triton interpreter
 with its numpy scalar fix, the flag that keeps ``RotaryEmbedding`` off vllm's CPU kernel, and
@@ -173,6 +177,43 @@ class Audit:
             self.counts["frees"] += 1
 
 
+class CoreCalls:
+    """Counts of the cache core's ``match`` (a key matched against the tree and planned), ``commit``
+    and the tree's ``match`` calls, since the last :meth:`take`."""
+
+    NAMES = ("match", "commit")
+
+    def __init__(self, core: Any) -> None:
+        self.counts = dict.fromkeys((*self.NAMES, "tree_match"), 0)
+        for name in self.NAMES:
+            setattr(core, name, self._counted(name, getattr(core, name)))
+        core.tree.match = self._counted("tree_match", core.tree.match)
+
+    def _counted(self, name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> dict[str, int]:
+        out, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return out
+
+
+def _stub_attention(backend: Any) -> None:
+    """The Triton backend's extend and decode attention write zeros into their output (module docstring)."""
+
+    def zeros(q: Any, k: Any, v: Any, o: Any, *args: Any, **kwargs: Any) -> None:
+        o.zero_()
+
+    def decode_zeros(q: Any, k_buffer: Any, v_buffer: Any, o: Any, *args: Any, **kwargs: Any) -> None:
+        o.zero_()
+
+    backend.extend_attention_fwd = zeros
+    backend.decode_attention_fwd = decode_zeros
+
+
 class PrefillLog(logging.Handler):
     """The AKV prefill lines the scheduler logs at DEBUG (one per release of a context request), as
     ``{"rid": ..., field: number}``."""
@@ -211,7 +252,8 @@ class Driver:
     """One scheduler, its loop thread, the request socket and everything captured."""
 
     def __init__(self, model: str, overlap: bool, chunk: int, backend: str | None, max_total_tokens: int,
-                 extra_args: dict[str, Any], audit: bool = False) -> None:
+                 extra_args: dict[str, Any], audit: bool = False, count_calls: bool = False,
+                 stub_attention: bool = False) -> None:
         args = ServerArgs(
             model_path=model, device="cpu", attention_backend="triton", sampling_backend="pytorch", page_size=1,
             dtype="float32", disable_cuda_graph=True, disable_overlap_schedule=not overlap,
@@ -239,6 +281,9 @@ class Driver:
         self.arriving = threading.Lock()
         self._receive_whole_waves()
         self.audit = Audit(self.scheduler) if audit else None
+        self.calls = CoreCalls(self.scheduler.tree_cache.core) if count_calls else None
+        if stub_attention:
+            _stub_attention(self.scheduler.tp_worker.model_runner.attn_backend)
         self.prefill_log = PrefillLog()
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -413,7 +458,8 @@ def main() -> None:
         flashinfer_probe.install()
     started = time.time()
     driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096),
-                    job.get("server_args", {}), job.get("audit", False))
+                    job.get("server_args", {}), job.get("audit", False), job.get("count_calls", False),
+                    job.get("stub_attention", False))
     startup_s = round(time.time() - started, 1)
     reports = []
     for k, waves in enumerate(job["parts"]):
@@ -422,10 +468,13 @@ def main() -> None:
         report: dict[str, Any] = {"startup_s": startup_s, "waves": []}
         for wave in waves:
             t = time.time()
+            if driver.calls is not None:
+                driver.calls.take()
             driver.submit_wave(wave["requests"])
             driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900),
                         wave.get("aborts_after_forwards"))
-            report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool()})
+            report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool(),
+                                    **({} if driver.calls is None else {"calls": driver.calls.take()})})
         if driver.error:
             raise RuntimeError(driver.error)
         report["results"] = driver.results()

@@ -40,11 +40,13 @@ VISIBLE_ALWAYS = np.iinfo(np.int32).max
 """``visible_until`` of a column every later query reads (kept tokens, generated tokens)."""
 
 
-def _holds(draft: Draft, pool: SlotPool, births: int | None = None) -> int:
+def _holds(draft: Draft, pool: SlotPool, room: int, births: int | None = None) -> int:
     """Slots a request planned by ``draft`` holds at its peak: births (all of them, else ``births``),
-    copy slots and borrowed versions."""
-    births = draft.plan.n_births if births is None else births
-    return births + draft.n_copy_slots + pool.n_distinct(draft.plan.plan.borrowed)
+    copy slots and borrowed versions (counted once each only when listing them all would exceed
+    ``room``)."""
+    own = (draft.plan.n_births if births is None else births) + draft.n_copy_slots
+    borrowed = draft.plan.plan.borrowed
+    return own + (borrowed.size if own + borrowed.size <= room else pool.n_distinct(borrowed))
 
 
 class AkvRequest:
@@ -67,6 +69,7 @@ class AkvRequest:
         self.segment = 0
         self.terminal_written = False
         self._kept: tuple[ContextProgram, int] | None = None
+        self._shared: tuple[Draft, tuple[Segment, ...]] | None = None
         self.window: int | None = None  # the model's sliding window, set by the radix cache
         self.admission_s = 0.0  # host seconds spent matching, planning, locking and committing
         self.prefill = PrefillStats()  # where its prefill's time went (reported and reset when released)
@@ -74,19 +77,20 @@ class AkvRequest:
     # ---- planning -------------------------------------------------------------------------------
 
     def plan_draft(self, core: CacheCore, *, cold: bool = False, room: int | None = None) -> Draft:
-        """The draft against the tree as it is now (recomputed only when the tree changed, unless
-        locked); ``cold`` plans every token as recomputed (SGLang's forced-miss test mode). ``room``
-        (kept for later calls): the most slots the request may hold (the pool less its new tokens and
-        admission's slack). A draft that would hold more (what it borrows as well as its births and
-        copies) is planned again with its births re-rotated in place, and if that still holds more,
-        cold with its births in place; if none fits, the first of them whose births fit when each is
-        given back once no later round reads it (:attr:`lifetimes`; the last, cold, always fits:
-        :func:`akv.system.adapter.scheduling.attach`), else the request could never be admitted."""
+        """The draft against the tree as it is now (recomputed only when the tree changed on its path,
+        :meth:`akv.system.cache.core.CacheCore.current`, unless locked); ``cold`` plans every token as
+        recomputed (SGLang's forced-miss test mode). ``room`` (kept for later calls): the most slots
+        the request may hold (the pool less its new tokens and admission's slack). A draft that would
+        hold more (what it borrows as well as its births and copies) is planned again with its births
+        re-rotated in place, and if that still holds more, cold with its births in place; if none
+        fits, the first of them whose births fit when each is given back once no later round reads it
+        (:attr:`lifetimes`; the last, cold, always fits: :func:`akv.system.adapter.scheduling.attach`),
+        else the request could never be admitted."""
         if room is not None:
             self._room = room
         if self.pinned is not None and self.draft is not None:
             return self.draft
-        if (self.draft is None or self.draft.epoch != core.epoch or cold != self._cold
+        if (self.draft is None or cold != self._cold or not core.current(self.draft)
                 or core.contested(self.draft) or core.reads_reserved(self.draft)):
             started = time.perf_counter()
             self.draft = self._fitting_draft(core, cold)
@@ -105,11 +109,11 @@ class AkvRequest:
         drafts = []
         for kwargs in tries:
             drafts.append(core.match(self.program, self.namespace, in_place=True, **kwargs))
-            if self._room is None or _holds(drafts[-1], core.pool) <= self._room:
+            if self._room is None or _holds(drafts[-1], core.pool, self._room) <= self._room:
                 return drafts[-1]
         for draft in drafts:
             self.lifetimes = BirthLifetimes.of(draft.plan.plan, self.program.n_tokens)
-            if _holds(draft, core.pool, self.lifetimes.single_peak()) <= self._room:
+            if _holds(draft, core.pool, self._room, self.lifetimes.single_peak()) <= self._room:
                 return draft
         return draft
 
@@ -136,7 +140,9 @@ class AkvRequest:
         """The draft's segments, copies named by the slot they will share (rounds are cut where a
         copy reuses a slot an earlier segment of the round reads)."""
         assert self.draft is not None
-        return self.draft.plan.shared_segments()
+        if self._shared is None or self._shared[0] is not self.draft:  # asked at every scheduling step
+            self._shared = (self.draft, self.draft.plan.shared_segments())
+        return self._shared[1]
 
     def round_end(self, segment: Segment, lo: int, hi: int) -> int:
         """End of a round of ``segment`` from column ``lo``, at most ``hi``: where SGLang's sliding-window
@@ -160,9 +166,11 @@ class AkvRequest:
             core.reserve(self.reserved)
             self.admission_s += time.perf_counter() - started
 
-    def unlock(self, core: CacheCore) -> None:
+    def unlock(self, core: CacheCore, *, handed_over: bool = False) -> None:
+        """Drop the lock (``handed_over``: its references now belong to the committed request)."""
         if self.pinned is not None:
-            core.pool.decref(self.pinned)
+            if not handed_over:
+                core.pool.decref(self.pinned)
             core.unreserve(self.reserved)
             self.pinned = None
 
@@ -178,8 +186,8 @@ class AkvRequest:
             self.unlock(core)
             draft, held = self.plan_draft(core, cold=self._cold), False
         started = time.perf_counter()
-        self.active = core.commit(draft, held=held)
-        self.unlock(core)
+        self.active = core.commit(draft, held=held, hand_over=True)
+        self.unlock(core, handed_over=held)
         self.admission_s += time.perf_counter() - started
         self.segment = 0
         self._n_freed = 0
@@ -189,12 +197,14 @@ class AkvRequest:
 
     def release(self, core: CacheCore, generated_ids: np.ndarray | None = None,
                 generated_slots: np.ndarray | None = None, *, publish: bool) -> None:
-        """Finish (publish) or abort the committed request (or drop its lock); the caller owns
+        """Finish (publish) or abort the committed request (or drop its lock, keeping its draft: SGLang
+        locks a waiting request to check its budget and unlocks it when it must wait); the caller owns
         ``generated_slots``."""
         self.unlock(core)
-        active, self.active, self.draft, self.locks = self.active, None, None, 0
+        active, self.active, self.locks = self.active, None, 0
         if active is None:
             return
+        self.draft = None
         if publish:
             core.finish(active, generated_ids, generated_slots)
         else:

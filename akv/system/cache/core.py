@@ -1,7 +1,8 @@
 """The cache core an engine drives, in the engine's own order:
 
 - :meth:`CacheCore.match` — pure and cheap to repeat: the tree's versions for a program and a
-  :class:`Draft` plan with virtual slots (valid while the tree's ``epoch`` is unchanged);
+  :class:`Draft` plan with virtual slots (valid while the tree's path it matched is unchanged:
+  :meth:`CacheCore.current`);
 - :meth:`CacheCore.commit` — at the engine's lock time: take references on the borrowed versions
   and allocate the copy slots; returns the :class:`ActiveRequest` handle;
 - :meth:`CacheCore.bind_births` — the engine allocates each chunk's birth slots and hands them over;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -29,7 +31,7 @@ from akv.system.cache.keys import RecordKey, program_key
 from akv.system.cache.occurrence import DraftPlan, bind_births, plan_occurrences
 from akv.system.cache.plan import MatchResult, RequestPlan
 from akv.system.cache.pool import PoolExhausted, SlotPool
-from akv.system.cache.tree import RadixTree
+from akv.system.cache.tree import PathMark, RadixTree
 from akv.system.context.program import ContextProgram
 
 
@@ -43,14 +45,14 @@ class RequestStateError(ValueError):
 
 @dataclass(frozen=True)
 class Draft:
-    """A matched, planned, uncommitted request (holds nothing). ``epoch``: the tree's epoch it was
-    planned against; commit refuses a draft the tree has changed since."""
+    """A matched, planned, uncommitted request (holds nothing). ``mark``: the tree path it was planned
+    against; commit refuses a draft whose path the tree has changed since."""
 
     program: ContextProgram
     key: RecordKey
     match: MatchResult
     plan: DraftPlan
-    epoch: int
+    mark: PathMark
 
     @property
     def n_births(self) -> int:
@@ -109,9 +111,15 @@ class CacheCore:
         while nothing else takes a reference before commit (:meth:`contested`)."""
         key = program_key(program, namespace)
         match = MatchResult.empty() if cold else self.resident(key)
-        takeable = self.tree.exclusive(key, match) if (compact or in_place) and match.n_tokens else None
+        takeable = partial(self.tree.exclusive, key, match) if (compact or in_place) and match.n_tokens else None
         plan = plan_occurrences(program, match, compact=compact, takeable=takeable, births_in_place=births_in_place)
-        return Draft(program, key, match, plan, self.tree.epoch)
+        return Draft(program, key, match, plan, self.tree.mark(key))
+
+    def current(self, draft: Draft) -> bool:
+        """Whether ``draft`` is still what :meth:`match` would plan: nothing on its tree path changed
+        in a way that could change its match or the versions it rotates in place
+        (:meth:`akv.system.cache.tree.RadixTree.unchanged`)."""
+        return self.tree.unchanged(draft.mark, draft.plan.taken)
 
     def resident(self, key: RecordKey) -> MatchResult:
         """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
@@ -149,27 +157,30 @@ class CacheCore:
         taken = draft.plan.taken
         return bool(taken.size) and bool((self.pool.request_refs(taken) > (1 if held else 0)).any())
 
-    def commit(self, draft: Draft, *, held: bool = False) -> ActiveRequest:
+    def commit(self, draft: Draft, *, held: bool = False, hand_over: bool = False) -> ActiveRequest:
         """Reference the draft's borrowed versions and allocate its copy slots (evicting as needed).
         Atomic: on :class:`CacheFull` nothing is held. ``held``: the caller has held references on
         the borrowed versions since the draft was planned (an engine's lock), so the plan stands
-        whatever else the tree did meanwhile."""
-        return self._commit(draft, held, with_births=False)
+        whatever else the tree did meanwhile; ``hand_over`` (with ``held``): those references become
+        the request's instead of new ones (the caller drops none; on :class:`CacheFull` it keeps them)."""
+        return self._commit(draft, held, with_births=False, hand_over=held and hand_over)
 
-    def _commit(self, draft: Draft, held: bool, *, with_births: bool) -> ActiveRequest:
+    def _commit(self, draft: Draft, held: bool, *, with_births: bool, hand_over: bool = False) -> ActiveRequest:
         """:meth:`commit`; ``with_births`` allocates and binds the births too (one allocation)."""
-        if not held and draft.epoch != self.tree.epoch:
-            raise RequestStateError(f"draft: planned at tree epoch {draft.epoch}, the tree is at {self.tree.epoch}")
+        if not held and not self.current(draft):
+            raise RequestStateError("draft: the tree changed on its path since it was planned")
         taken = draft.plan.taken
         if self.contested(draft, held=held):
             raise RequestStateError("draft: a version it rotates in place was referenced since it was planned")
         borrowed = draft.plan.plan.borrowed
         n_births = draft.n_births if with_births else 0
-        self.pool.incref(borrowed)
+        if not hand_over:
+            self.pool.incref(borrowed)
         try:
             fresh = self.allocate(draft.n_copy_slots + n_births)
         except BaseException:
-            self.pool.decref(borrowed)
+            if not hand_over:
+                self.pool.decref(borrowed)
             raise
         if taken.size:
             self.tree.take(draft.key, taken)

@@ -80,9 +80,9 @@ def program_key(program: ContextProgram, namespace: str = "") -> RecordKey:
             inserted.extend(records)
     n = program.n_tokens
     where, sizes = np.asarray(at, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-    tokens = np.arange(n, dtype=np.int64)
-    before = np.concatenate([[0], np.cumsum(sizes)])  # records of the events before each
-    token_record = tokens + before[np.searchsorted(where, tokens, side="right")]
+    before = np.concatenate([[0], np.cumsum(sizes)])  # records of the events before each run of tokens
+    runs = np.diff(np.concatenate([[0], where, [n]]))  # events come in order: ``at`` never decreases
+    token_record = np.arange(n, dtype=np.int64) + np.repeat(before, runs)
     records = np.empty(n + len(inserted), dtype=np.int64)
     records[token_record] = program.token_ids
     records[np.repeat(where, sizes) + np.arange(len(inserted), dtype=np.int64)] = inserted

@@ -80,7 +80,7 @@ class DraftPlan:
     @property
     def n_births(self) -> int:
         """Birth slots the engine allocates (none in a compact plan: its births are copy slots)."""
-        return 0 if self.compact else int(self.plan.computed.sum())
+        return 0 if self.compact else int(np.count_nonzero(self.plan.computed))
 
     @property
     def n_slots(self) -> int:
@@ -91,6 +91,8 @@ class DraftPlan:
         """The segments with each copy named by the slot it will share (``-2 - n_tokens - colors[k]``
         for version ``k``), so two entries name the same id exactly when they will name the same slot
         once bound; births and tree slots as they are."""
+        if self.n_copy_slots == self.colors.size:  # no slot shared (recycle_slots numbers them in order)
+            return self.plan.segments
         offset = 2 + self.n_tokens
         recolor = np.append(-offset - self.colors, _EMPTY)
 
@@ -144,9 +146,11 @@ def resolve_births(slots: np.ndarray, births: np.ndarray) -> np.ndarray:
 
 
 def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bool = False,
-                     takeable: np.ndarray | None = None, births_in_place: bool = False) -> DraftPlan:
+                     takeable: Callable[[np.ndarray], np.ndarray] | None = None,
+                     births_in_place: bool = False) -> DraftPlan:
     """Plan ``program`` against the versions ``match`` found resident; ``compact`` (module docstring)
-    recycles births; the versions ``takeable`` (``match.slots``' shape) marks are rotated in place
+    recycles births; the versions ``takeable`` marks are rotated in place (``takeable(tokens)``: rows
+    of ``match.slots`` for those matched tokens, asked only for the copy sources no earlier step read)
     (compact or not: an in-place plan, module docstring); ``births_in_place`` rotates the request's
     own births in place too (module docstring; ignored by a compact plan)."""
     if match.n_tokens > program.n_tokens:
@@ -275,20 +279,19 @@ class _VersionTable:
     own per token: the birth version it computed and the latest copy it made. Positions only ever
     decrease from stage to stage, so an older copy is never read again by a later step."""
 
-    def __init__(self, program: ContextProgram, match: MatchResult, takeable: np.ndarray | None = None,
+    def __init__(self, program: ContextProgram, match: MatchResult,
+                 takeable: Callable[[np.ndarray], np.ndarray] | None = None,
                  births_in_place: bool = False) -> None:
         n, m = program.n_tokens, match.n_tokens
         tree_width = match.slots.shape[1]
         self.birth_col, self.copy_col = tree_width, tree_width + 1
         self.slots = np.full((n, tree_width + 2), _EMPTY, dtype=np.int64)
         self.positions = np.full_like(self.slots, _EMPTY)
-        self.slots[:m, :tree_width] = match.slots
-        self.positions[:m, :tree_width] = np.where(match.slots >= 0, match.positions, _EMPTY)
+        for j in range(tree_width):  # column by column: a strided block copy is ~4x slower
+            self.slots[:m, j] = match.slots[:, j]
+            self.positions[:m, j] = np.where(match.slots[:, j] >= 0, match.positions[:, j], _EMPTY)
         self.used = np.zeros(self.slots.shape, dtype=bool)
-        self.takeable: np.ndarray | None = None
-        if takeable is not None and m:
-            self.takeable = np.zeros(self.slots.shape, dtype=bool)
-            self.takeable[:m, :tree_width] = takeable & (match.slots >= 0)
+        self.takeable = takeable if m else None
         self._taken: list[np.ndarray] = []
         self.births_in_place = births_in_place
         self.read = np.zeros(n, dtype=bool)
@@ -323,12 +326,20 @@ class _VersionTable:
         """Slots holding ``tokens`` at ``positions`` for reads at ``step``, making copies where no such
         version exists (``pinned`` copies live to the end). Reads that find the tree's first version
         (most of a next turn's: the KV as stored) are taken without gathering the other versions."""
-        first = self.positions[tokens, 0] == positions if self.birth_col else np.zeros(tokens.size, dtype=bool)
+        if not self.birth_col or not tokens.size:
+            return self._resolve(tokens, positions, step, pinned)
+        # tokens are ascending and distinct: a run of consecutive tokens is read through views
+        rows = slice(int(tokens[0]), int(tokens[-1]) + 1) if tokens[-1] - tokens[0] + 1 == tokens.size else tokens
+        first = self.positions[rows, 0] == positions
         if not first.any():
             return self._resolve(tokens, positions, step, pinned)
-        out = self.slots[tokens, 0]
-        self.used[tokens[first], 0] = True
-        self.read[tokens[first]] = True
+        out = self.slots[rows, 0].copy() if isinstance(rows, slice) else self.slots[rows, 0]
+        if isinstance(rows, slice):
+            self.used[rows, 0] |= first
+            self.read[rows] |= first
+        else:
+            self.used[tokens[first], 0] = True
+            self.read[tokens[first]] = True
         rest = np.flatnonzero(~first)
         job = CopyJob(*(frozen(np.zeros(0, np.int64), np.int64),) * 5)
         if rest.size:
@@ -342,26 +353,34 @@ class _VersionTable:
         exact = held == positions[:, None]  # an empty cell holds position -1, never read
         found, col = first_true(exact)
         width = slots.shape[1]
-        cell = np.arange(tokens.size) * width + col
-        out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
-        hit = np.flatnonzero(found)
-        self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
-        self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
         self.read[tokens] = True
-        self._touch(out[hit], _FOREVER if pinned else step)
-        miss = np.flatnonzero(~found)
-        need = tokens[miss]
-        sources = slots[miss] != _EMPTY
+        if found.any():
+            cell = np.arange(tokens.size) * width + col
+            out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
+            hit = np.flatnonzero(found)
+            self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
+            self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
+            self._touch(out[hit], _FOREVER if pinned else step)
+            miss = np.flatnonzero(~found)
+            need, slots, held, new = tokens[miss], slots[miss], held[miss], positions[miss]
+        else:  # every read needs a copy (a repositioned span): no row to pick out
+            out, miss = np.empty(tokens.size, dtype=np.int64), slice(None)
+            need, new = tokens, positions
+        sources = slots != _EMPTY
         has_source, any_col = first_true(sources)
         if not has_source.all():
             raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
-        at_birth, birth_col = first_true(sources & (held[miss] == self.birth[need][:, None]))
+        at_birth, birth_col = first_true(sources & (held == self.birth[need][:, None]))
         src_col = np.where(at_birth, birth_col, any_col)
-        src = slots[miss, src_col]
-        old = held[miss, src_col]
-        taken = (np.zeros(need.size, dtype=bool) if self.takeable is None
-                 else self.takeable[need, src_col] & ~self.used[need, src_col])
-        in_place = taken | (self.births_in_place & (src <= -2) & (src > -self._offset))  # own births
+        rows = np.arange(need.size)
+        src = slots[rows, src_col]
+        old = held[rows, src_col]
+        taken = np.zeros(need.size, dtype=bool)
+        if self.takeable is not None:  # tree versions no earlier step read
+            ask = np.flatnonzero((src_col < self.birth_col) & ~self.used[need, src_col])
+            if ask.size:
+                taken[ask] = self.takeable(need[ask])[np.arange(ask.size), src_col[ask]]
+        in_place = taken | ((src <= -2) & (src > -self._offset)) if self.births_in_place else taken  # own births
         self.used[need, src_col] = True
         self._touch(src, step)
         if not in_place.any():
@@ -375,7 +394,6 @@ class _VersionTable:
                 self._taken.append(src[taken])
             self.slots[need[in_place], src_col[in_place]] = _EMPTY
             self.positions[need[in_place], src_col[in_place]] = _EMPTY
-        new = positions[miss]
         self.slots[need, self.copy_col] = dst
         self.positions[need, self.copy_col] = new
         self.rerotated[need] = True
@@ -389,9 +407,11 @@ class _VersionTable:
 
     def borrowed(self) -> np.ndarray:
         """Tree slots the plan reads or rotates in place."""
-        cells = np.flatnonzero(self.used.reshape(-1))
-        cells = cells[cells % self.slots.shape[1] < self.birth_col]
-        read = self.slots.reshape(-1)[cells]
+        if self.birth_col == 1:  # one tree column, the usual case
+            read = self.slots[np.flatnonzero(self.used[:, 0]), 0]
+        else:
+            cells = np.flatnonzero(self.used.reshape(-1))
+            read = self.slots.reshape(-1)[cells[cells % self.slots.shape[1] < self.birth_col]]
         if not self._taken:
             return frozen(read, np.int64)
         return frozen(np.concatenate([read[read >= 0], self.taken()]), np.int64)

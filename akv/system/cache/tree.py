@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,12 +43,25 @@ DROPPED, STALE = 0, 1
 """Eviction ranks before the LRU leaves: versions of tokens every path drops, versions no path reads."""
 
 
+@dataclass(frozen=True)
+class PathMark:
+    """What a match of one key depended on (:meth:`RadixTree.mark`): the nodes it ran through with
+    their change counts, and where it stopped (``end`` had no child for record ``next_record``;
+    None: the match stopped inside a node, or at the key's end)."""
+
+    namespace: str
+    root: object
+    parts: tuple[tuple[object, int, int, int], ...]  # (node, records matched, changes, read_changes)
+    end: object
+    next_record: int | None
+
+
 class TreeNode:
     """One edge: ``key`` records with ``slots``/``positions`` arrays of shape (len, width);
     ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
     __slots__ = ("key", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
-                 "last_access", "uid")
+                 "last_access", "uid", "changes", "read_changes")
 
     def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
                  read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
@@ -61,6 +75,8 @@ class TreeNode:
         self.parent: TreeNode | None = None
         self.last_access = 0
         self.uid = uid
+        self.changes = 0  # edits of its records or versions (what a match of a path through it returns)
+        self.read_changes = 0  # edits of its read counts or terminal (which versions a request may take)
 
     @property
     def attached(self) -> bool:
@@ -124,14 +140,44 @@ class RadixTree:
         slots, positions = _gather(parts, key.token_record[:n_tokens])
         return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
 
-    def exclusive(self, key: RecordKey, match: MatchResult) -> np.ndarray:
-        """Which versions of ``match`` (a match of ``key``, ``match.slots``' shape) only a request
-        continuing ``key`` could read: no request references the slot, and no recorded path reads
-        it, except the path ending at the leaf the match covers whole (the request's own earlier
-        turn, whose end its publication replaces)."""
-        out = np.zeros(match.slots.shape, dtype=bool)
+    def mark(self, key: RecordKey) -> PathMark:
+        """The path ``key`` matches now, to tell later whether a match of it could differ
+        (:meth:`unchanged`)."""
+        root = self._root(key.namespace)
         parts = self._path(key)
-        rows = key.token_record[: match.n_tokens]
+        end, next_record, i = root, None, sum(common for _, common in parts)
+        if not parts or parts[-1][1] == parts[-1][0].key.shape[0]:
+            end = parts[-1][0] if parts else root
+            next_record = int(key.records[i]) if i < key.records.shape[0] else None
+        marks = tuple((node, common, node.changes, node.read_changes) for node, common in parts)
+        return PathMark(key.namespace, root, marks, end, next_record)
+
+    def unchanged(self, mark: PathMark, taken: np.ndarray) -> bool:
+        """Whether a match of the key ``mark`` was taken for would find the same records and versions,
+        and a plan that rotates the versions ``taken`` in place may still do so: no node of its path was
+        split, pruned or had versions added or removed, no child continues it past its end, and, when
+        ``taken`` is not empty, neither the path's last node nor a node holding a taken version has
+        new readers (other read changes only mean that a plan made now might rotate more in place)."""
+        if self._roots.get(mark.namespace) is not mark.root:
+            return False
+        last = len(mark.parts) - 1
+        for i, (node, common, changes, read_changes) in enumerate(mark.parts):
+            if not node.attached or node.changes != changes:
+                return False
+            if (node.read_changes != read_changes and taken.size
+                    and (i == last or np.isin(node.slots[:common], taken).any())):
+                return False
+        return mark.next_record is None or mark.next_record not in mark.end.children
+
+    def exclusive(self, key: RecordKey, match: MatchResult, tokens: np.ndarray | None = None) -> np.ndarray:
+        """Which versions of ``match`` (a match of ``key``) only a request continuing ``key`` could read:
+        no request references the slot, and no recorded path reads it, except the path ending at the
+        leaf the match covers whole (the request's own earlier turn, whose end its publication
+        replaces). Rows of ``match.slots`` for ``tokens`` (matched token indexes; default all)."""
+        tokens = np.arange(match.n_tokens) if tokens is None else np.asarray(tokens, dtype=np.int64)
+        out = np.zeros((tokens.size, match.slots.shape[1]), dtype=bool)
+        parts = self._path(key)
+        rows = key.token_record[tokens]
         if not parts or rows.size == 0:
             return out
         lengths = np.asarray([common for _, common in parts], dtype=np.int64)
@@ -141,20 +187,20 @@ class RadixTree:
         end_reads = None
         if (common == leaf.key.shape[0] and not leaf.children and leaf.terminal is not None
                 and leaf.terminal.size >= match.n_tokens):
-            end_reads = leaf.terminal[: match.n_tokens]
-        slots, positions = match.slots, match.positions
+            end_reads = leaf.terminal[tokens]
+        slots, positions = match.slots[tokens], match.positions[tokens]
         free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
         for p, (node, _) in enumerate(parts):
-            tokens = np.flatnonzero(which == p)
-            if tokens.size == 0:
+            mine = np.flatnonzero(which == p) if len(parts) > 1 else np.arange(tokens.size)
+            if mine.size == 0:
                 continue
-            local = rows[tokens] - (ends[p] - lengths[p])
+            local = rows[mine] - (ends[p] - lengths[p])
             read_pos, read_cnt = node.read_pos[local], node.read_cnt[local]
-            counts = ((positions[tokens][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
+            counts = ((positions[mine][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
             alone = counts == 0
             if end_reads is not None:
-                alone |= (counts == 1) & (positions[tokens] == end_reads[tokens][:, None])
-            out[tokens] = free[tokens] & alone
+                alone |= (counts == 1) & (positions[mine] == end_reads[mine][:, None])
+            out[mine] = free[mine] & alone
         return out
 
     def take(self, key: RecordKey, slots: np.ndarray) -> None:
@@ -171,7 +217,7 @@ class RadixTree:
                 found += int(np.count_nonzero(cells))
                 node.slots[:common][cells] = _EMPTY
                 node.positions[:common][cells] = _EMPTY
-                self._dirty.add(node)
+                self._changed(node)
         if found != slots.size:
             raise TreeError(f"slots: {slots.size - found} of the {slots.size} slots to take are not on the key's path")
         self.pool.tree_decref(slots)
@@ -326,6 +372,8 @@ class RadixTree:
             if leaf.terminal is None and np.array_equal(terminal[: old.size], old):
                 parent.terminal = None
                 leaf.terminal = terminal.copy()
+                parent.read_changes += 1
+                leaf.read_changes += 1
                 self._count_node(leaf, terminal[old.size :], 1)
                 return
             self._forget_end(parent)
@@ -338,12 +386,14 @@ class RadixTree:
                 return
             self._count_end(node, -1)
         node.terminal = terminal.copy()
+        node.read_changes += 1
         self._count_end(node, 1)
 
     def _forget_end(self, node: TreeNode) -> None:
         if node.terminal is not None:
             self._count_end(node, -1)
             node.terminal = None
+            node.read_changes += 1
 
     def _count_end(self, end: TreeNode, delta: int) -> None:
         """Add (+1) or take back (-1) the reads of the path ending at ``end`` in every node on it."""
@@ -363,10 +413,10 @@ class RadixTree:
         kept = final >= 0
         if kept.all():
             _count_reads(node, rows, final, delta)
-            self._dirty.add(node)
+            self._changed(node, reads=True)
         elif kept.any():
             _count_reads(node, rows[kept], final[kept], delta)
-            self._dirty.add(node)
+            self._changed(node, reads=True)
         return rows.size
 
     def flush(self) -> None:
@@ -401,6 +451,15 @@ class RadixTree:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+    def _changed(self, node: TreeNode, reads: bool = False) -> None:
+        """``node``'s versions or records (``reads``: its read counts) changed: re-rank it, and a
+        :class:`PathMark` through it no longer holds."""
+        if reads:
+            node.read_changes += 1
+        else:
+            node.changes += 1
+        self._dirty.add(node)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -439,7 +498,7 @@ class RadixTree:
         held = slots[:, 0] >= 0
         if held.any():
             self.pool.tree_incref(slots[:, 0][held])
-            self._dirty.add(node)
+            self._changed(node)
         return node, slots
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
@@ -453,7 +512,8 @@ class RadixTree:
         parent.children[int(upper.key[0])] = upper
         node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
         node.read_pos, node.read_cnt = node.read_pos[at:], node.read_cnt[at:]
-        self._dirty.update((node, upper))
+        self._changed(node)
+        self._changed(upper)
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self._n_nodes += 1
@@ -482,7 +542,7 @@ class RadixTree:
             node.slots[rows, cols] = slots[rows, j]
             node.positions[rows, cols] = positions[rows, j]
             self.pool.tree_incref(slots[rows, j])
-            self._dirty.add(node)
+            self._changed(node)
         return resident
 
     def _release(self, node: TreeNode, which: np.ndarray) -> int:
@@ -494,7 +554,7 @@ class RadixTree:
             count = self.pool.tree_decref(node.slots[held])
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
-            self._dirty.add(node)
+            self._changed(node)
         self._prune(node)
         return count
 
@@ -507,7 +567,7 @@ class RadixTree:
             del parent.children[int(node.key[0])]
             node.parent = None
             self._n_nodes -= 1
-            self._dirty.add(node)
+            self._changed(node)
             if parent.attached and not parent.children:
                 self._push(self._leaves, parent)
             node = parent
