@@ -72,6 +72,9 @@ PAIR_TURNS = [
 """tests/sglang_cpu/test_pd_pair.py's turns (its test checks they are the same)."""
 USAGE = ("prompt_tokens", "completion_tokens", "prompt_tokens_details")
 """The usage fields a streamed turn must report as the single server does."""
+ENGINE_METRICS = {"MC_TE_METRIC": "1", "MC_TE_METRIC_INTERVAL_SECONDS": "1"}
+"""Mooncake's engine logs its transfer throughput every second (the report keeps those lines: the
+engine's only account of bytes moved, per interval, not per request)."""
 CPU_BOUND_FLOOR = 1e-3
 """FP32 on the CPU: the bound never below this (the plain requests' errors are noise-level)."""
 BOOTSTRAP_PORT = 8998
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = mooncake_env(args, log)
         step("mooncake", env=engine)
         env = {**base, "PYTHONPATH": joined(site, base.get("PYTHONPATH", ""))}
-        pd_env = {**env, **engine, "PYTHONPATH": joined(engine["PYTHONPATH"], env["PYTHONPATH"]),
+        pd_env = {**env, **engine, **ENGINE_METRICS, "PYTHONPATH": joined(engine["PYTHONPATH"], env["PYTHONPATH"]),
                   "LD_LIBRARY_PATH": joined(engine["LD_LIBRARY_PATH"], env.get("LD_LIBRARY_PATH", ""))}
         bodies = matrix(args.dry_run)
 
@@ -307,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             if not alive or after[server.name]["used"] != 0:
                 report["failures"].append(f"{server.name}: not back to an empty pool: {after[server.name]}")
         report["after"] = after
+        report["engine_metric_lines"] = {s.name: [line.strip()[-300:] for line in s.log_path.read_text().splitlines()
+                                                  if "Throughput" in line][-200:] for s in (prefill, decode)}
         step("after", **after)
     except Exception as exc:  # noqa: BLE001 - the report names the step that stopped the run
         failed = report["steps"][-1]["step"] if report["steps"] else "start"
