@@ -187,7 +187,7 @@ def mooncake_env(args: argparse.Namespace, log: Any) -> dict[str, str]:
     if missing:
         raise RuntimeError(f"engine.so's libraries not found on this machine: {', '.join(missing)}")
     probe = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": env["PYTHONPATH"], "LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+                           env={**os.environ, "PYTHONPATH": env["PYTHONPATH"], "LD_LIBRARY_PATH": joined(env["LD_LIBRARY_PATH"], os.environ.get("LD_LIBRARY_PATH", ""))})
     if probe.returncode != 0:
         raise RuntimeError(f"import mooncake.engine: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
     return env
