@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu/run.sh -- one device call on the H200, from the repository root, with .devkit carried
-# (made by tools/gpu/prepare.sh on the CPU machine).
+# (made by tools/gpu/prepare.sh on the CPU machine). The jitcache archives are optional: a PD call
+# carries .devkit's other parts by path and .devkit-pd (tools/gpu/pd_kit.sh says how) to stay under 64 MiB.
 #
 #   set -o pipefail; bash tools/gpu/run.sh 2>&1 | tee $OUT/log.txt
 #
