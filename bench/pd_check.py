@@ -14,7 +14,9 @@ alive, idle, and after ``/flush_cache`` no token held (``/v1/loads``) -- a leake
 stopped a scheduler through the strict checks. Per context request the report prints the live KV the
 decode server should receive: kept tokens (``prompt_tokens - drop_skipped_tokens`` of its usage) times
 the model's KV bytes per token; neither SGLang 0.5.16 nor Mooncake's Python engine counts the bytes sent
-per request, so ``sent_bytes`` says so.
+per request, so ``sent_bytes`` says so. The engine's own account is kept: with ``MC_TE_METRIC=1`` the
+prefill server logs the MiB it moved each second (``engine_metric_lines``); with requests seconds
+apart, as on the CPU, each transfer is one line, in request order.
 
 Device call (tools/gpu/pd_kit.sh prints it; carry [".devkit/site-py312.tar.xz", ".devkit/MANIFEST.txt",
 ".devkit/overlay", ".devkit-pd"], timeout_s 600)::
