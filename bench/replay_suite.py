@@ -346,6 +346,8 @@ def replay_args(args: argparse.Namespace, url: str) -> argparse.Namespace:
             "--start-turn", str(args.start_turn), "--standard-threshold", str(standard), "--text-threshold", str(text),
             "--keep", str(args.keep), "--timeout", str(args.timeout), "--out", str(args.out / "unused.json"), "-v",
             "--live-budget", str(args.live_budget)]
+    if args.routers:  # smg routes by model name: the workers serve theirs under the model path
+        argv += ["--model", str(args.model)]
     if args.turns:
         argv += ["--turns", str(args.turns)]
     if args.max_turns:
