@@ -223,8 +223,9 @@ def suite_label(args: argparse.Namespace, machine_info: dict[str, Any]) -> str:
                 f"{', --akv-protect-live' if args.protect_live else ''}"
                 f"{'' if args.dry_run else f', --mem-fraction-static {args.mem_fraction}'}{pool}) behind smg "
                 f"{ROUTER_PIN}, policies {', '.join(args.routers)}; keep {args.keep}, {args.count} {args.preset} "
-                f"trajectories from turn {args.start_turn}{' (primed: measured from the next turn)' if args.prime else ''}"
-                f", output cap {args.max_output_tokens or 'none'}")
+                f"trajectories from turn {args.start_turn}"
+                f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
+                f"{args.max_output_tokens or 'none'}")
     return (f"{machine}"
             f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
             f"({args.akv_backend} attention{', --akv-protect-live' if args.protect_live else ''}) for AKV, "
@@ -324,7 +325,7 @@ def make_router(args: argparse.Namespace, policy: str, workers: list[Server]) ->
     port = free_port() if args.dry_run else args.port + args.workers + ROUTER_POLICIES.index(policy)
     return Server(f"router-{policy}", [sys.executable, *command, "--worker-urls", *urls, "--log-level", "warn",
                                        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                  {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}, port, args.logs / f"{policy}-router.log")
+                  {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}, port, args.logs / f"router-{policy}.log")
 
 
 def healthy_workers(router: str) -> int:
@@ -503,7 +504,8 @@ def merged(paths: list[Path]) -> tuple[dict[str, Any], list[int]]:
         for row in run["rows"]:
             key = (row["method"], row["concurrency"], row.get("router"))
             if key in points and points[key].get("requests"):
-                notes.append(f"{key[0]}{f' ({key[2]})' if key[2] else ''} c={key[1]} measured again in run {i + 1}: {points[key]['output_tok_per_s']:.1f} "
+                name = f"{key[0]} ({key[2]})" if key[2] else key[0]
+                notes.append(f"{name} c={key[1]} measured again in run {i + 1}: {points[key]['output_tok_per_s']:.1f} "
                              f"then {row.get('output_tok_per_s') or 0:.1f} output tok/s; the later is kept")
             points[key] = row
     rows = sorted(points.values(), key=lambda r: (r["server"] != "patched", r["concurrency"], r["method"]))

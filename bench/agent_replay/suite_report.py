@@ -1,6 +1,6 @@
 """The serving-replay suite's report: AKV vs Standard (next to the goals) and vs Text Engineering at
-equal concurrency, affinity vs round-robin routing in router mode, each method at its own best concurrency, the markdown table and an SVG of
-throughput and P95 latency."""
+equal concurrency, affinity vs round-robin routing in router mode, each method at its own best
+concurrency, the markdown table and an SVG of throughput and P95 latency."""
 
 from __future__ import annotations
 
@@ -129,8 +129,8 @@ def markdown(result: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     for r in rows:
-        lines.append("| " + " | ".join([r["method"], r["server"] + (f" ({worker_split(r)})" if r.get("worker_requests")
-                                                                      else ""), str(r["concurrency"]), cell(r.get("requests")),
+        server = r["server"] + (f" ({worker_split(r)})" if r.get("worker_requests") else "")
+        lines.append("| " + " | ".join([r["method"], server, str(r["concurrency"]), cell(r.get("requests")),
                                         cell(r.get("failed")), cell(r.get("summary_requests")),
                                         cell(r.get("output_tok_per_s"), 1), cell(r.get("input_tok_per_s"), 0),
                                         cell(r.get("cached_fraction")), cell(r.get("read_fraction")),
@@ -140,11 +140,12 @@ def markdown(result: dict[str, Any]) -> str:
                                         cell(r.get("kv_used_tokens_max"), 0)]) + " |")
     if result.get("router_ratios"):
         lines += router_lines(result["router_ratios"])
-    lines += ["", "AKV vs Standard at equal concurrency (above 1: AKV better; goals: output throughput >= "
-              f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
-              "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
-              "| output goal | P95 goal |", "|" + "---|" * 10]
-    lines += ratio_lines(result["ratios"], goals=True)
+    if result["ratios"] or not any(r.get("router") for r in rows):  # router mode has no Standard
+        lines += ["", "AKV vs Standard at equal concurrency (above 1: AKV better; goals: output throughput >= "
+                  f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
+                  "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
+                  "| output goal | P95 goal |", "|" + "---|" * 10]
+        lines += ratio_lines(result["ratios"], goals=True)
     if result.get("ratios_text_engineering"):
         lines += ["", "AKV vs Text Engineering at equal concurrency (above 1: AKV better):", "",
                   "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 |",

@@ -132,6 +132,7 @@ def test_router_ratios_compare_affinity_with_round_robin_at_equal_concurrency():
     assert got[0]["meets_read_goal"] and got[0]["meets_p95_goal"]
     text = report.markdown({"command": "c", "label": "l", "rows": rows, "ratios": [], "router_ratios": got})
     assert "| akv_keep12 | 16 | 3.00x | 2.00x | 1.20x | 2.50x | 2.50x | 1.00x | met | met |" in text
+    assert "AKV vs Standard" not in text  # router mode runs no Standard
     slower = [{**rows[0], "latency_p95_s": 30.0, "read_fraction": 0.7}, rows[1]]
     assert [(q["meets_read_goal"], q["meets_p95_goal"]) for q in report.router_ratios(slower)] == [(False, False)]
 
