@@ -19,6 +19,10 @@
 #
 #   carry [".devkit/site-py312.tar.xz", ".devkit/MANIFEST.txt", ".routerkit"]   (timeout_s 600)
 #
+# Measured 2026-12-05 (smg 1.13.0): smg-site.tar.xz 19,990,032 bytes, overlay.tar.xz 261,676, the site
+# archive 42,564,272, the working tree 3.77 MB: 66,587,013 bytes of the 67,108,864 limit (the tree
+# may grow by about 250 KiB before this script's 256 KiB margin refuses the carry).
+#
 # i.e. without .devkit's jitcache and models-cache (the replay makes only the tiny and 8B-shaped models;
 # without the carried kernels each worker compiles SGLang's JIT kernels on its first start: use
 # AKV_REPLAY_BACKEND=triton, see tools/gpu/replay_suite.sh). tools/gpu/run.sh installs both archives
