@@ -212,6 +212,13 @@ def test_gpt_oss_with_hybrid_swa_memory_is_refused_at_startup(patched_site: Path
               server_args={"disable_hybrid_swa_memory": False})
 
 
+def _refusals(script: str, patched_site: Path) -> tuple[list[str], str]:
+    """``script`` run in a process with the patched site: its "refused:" lines, and all it printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    return [line for line in done.stdout.splitlines() if line.startswith("refused:")], done.stdout + done.stderr
+
+
 def test_sliding_window_models_on_flashinfer_are_refused_at_startup(patched_site: Path) -> None:
     """FlashInfer's sliding-window wrappers take no AKV lists: the AKV cache refuses to start there."""
     script = """
@@ -227,10 +234,8 @@ for backends in [("flashinfer", None, None), ("triton", "flashinfer", None)]:
     except ValueError as exc:
         print("refused:", exc)
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
-    assert len(lines) == 2 and all("--attention-backend triton" in line for line in lines), done.stdout + done.stderr
+    lines, output = _refusals(script, patched_site)
+    assert len(lines) == 2 and all("--attention-backend triton" in line for line in lines), output
 
 
 def test_models_fa3_cannot_serve_exactly_are_refused_at_startup(patched_site: Path) -> None:
@@ -250,10 +255,8 @@ for window, dtype, backends in [(127, "auto", ("fa3", None, None)), (127, "auto"
     except ValueError as exc:
         print("refused:", exc)
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
-    assert len(lines) == 3, done.stdout + done.stderr
+    lines, output = _refusals(script, patched_site)
+    assert len(lines) == 3, output
     assert all("attention_backend 'fa3' cannot serve context requests with sliding-window layers" in line
                and line.endswith("--attention-backend triton") for line in lines[:2]), lines
     assert "with kv_cache_dtype 'fp8_e4m3'" in lines[2] and lines[2].endswith("triton or flashinfer"), lines
