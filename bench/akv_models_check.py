@@ -416,7 +416,8 @@ def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server
             if "gpt_oss_120b" in args.parts:
                 models.update(make_models(args.work / "models", ("gpt_oss_120b",), False))
             run.part("gpt_oss_120b", lambda: check_big_in_turn(
-                run, "gpt_oss_120b", models["gpt_oss_120b"], lambda side: launch_one("gpt_oss_120b", side, PARSERS["gpt-oss"], 6)))
+                run, "gpt_oss_120b", models["gpt_oss_120b"],
+                lambda side: launch_one("gpt_oss_120b", side, PARSERS["gpt-oss"], 6)))
     finally:
         run.stop(*list(run.servers))
         run.write()
