@@ -498,14 +498,16 @@ def merged(paths: list[Path]) -> tuple[dict[str, Any], list[int]]:
             if mine != theirs:
                 raise ValueError(f"--merge: {path} has {key} {theirs!r}, {paths[0]} has {mine!r}")
     points: dict[tuple[str, int], dict[str, Any]] = {}
-    notes = [f"run {i + 1} ({path.name}, {run['date']}): {run['label']}" for i, (path, run) in enumerate(zip(paths, runs))]
+    notes = [f"run {i + 1} ({path.name}, {run['date']}): {run['label']}"
+             for i, (path, run) in enumerate(zip(paths, runs))]
     for i, run in enumerate(runs):
         notes += [f"run {i + 1}: {n}" for n in run.get("notes", [])]
         for row in run["rows"]:
             key = (row["method"], row["concurrency"], row.get("router"))
             if key in points and points[key].get("requests"):
                 name = f"{key[0]} ({key[2]})" if key[2] else key[0]
-                notes.append(f"{name} c={key[1]} measured again in run {i + 1}: {points[key]['output_tok_per_s']:.1f} "
+                notes.append(f"{name} c={key[1]} measured again in run {i + 1}: "
+                             f"{points[key]['output_tok_per_s']:.1f} "
                              f"then {row.get('output_tok_per_s') or 0:.1f} output tok/s; the later is kept")
             points[key] = row
     rows = sorted(points.values(), key=lambda r: (r["server"] != "patched", r["concurrency"], r["method"]))
