@@ -296,6 +296,18 @@ def swapped_first_token(engine: Any, probe: Any, body: dict[str, Any], got: dict
     return best
 
 
+def run_checks(run: Run, name: str, out: dict[str, Any],
+               checks: tuple[tuple[str, Callable[[], dict[str, Any]]], ...]) -> None:
+    """Each check's result into ``out`` under its name (a failure as ``ok: False`` with its error,
+    and the next check still runs), logged."""
+    for check, call in checks:
+        try:
+            out[check] = call()
+        except Exception as exc:  # noqa: BLE001 - record it and go on to the next check
+            out[check] = {"ok": False, "error": repr(exc)[-2000:]}
+        run.log(f"{name} {check}: {json.dumps(out[check])[:300]}")
+
+
 def check_big(run: Run, name: str, model: Path) -> dict[str, Any]:
     """Part 3 or 4: plain identity with stock, ten turns with drops and repositions, equivalence."""
     from transformers import AutoTokenizer
@@ -304,14 +316,9 @@ def check_big(run: Run, name: str, model: Path) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model)
     out: dict[str, Any] = {"model": str(model)}
     try:
-        for check, call in (("plain_identity", lambda: big.check_plain_identity(patched, stock, tokenizer)),
-                            ("ten_turns", lambda: big.check_ten_turns(patched, tokenizer)),
-                            ("equivalence", lambda: big.check_equivalence(patched, tokenizer))):
-            try:
-                out[check] = call()
-            except Exception as exc:  # noqa: BLE001 - record it and go on to the next check
-                out[check] = {"ok": False, "error": repr(exc)[-2000:]}
-            run.log(f"{name} {check}: {json.dumps(out[check])[:300]}")
+        run_checks(run, name, out, (("plain_identity", lambda: big.check_plain_identity(patched, stock, tokenizer)),
+                                    ("ten_turns", lambda: big.check_ten_turns(patched, tokenizer)),
+                                    ("equivalence", lambda: big.check_equivalence(patched, tokenizer))))
     finally:
         run.stop(f"{name}_patched", f"{name}_stock")
     out["ok"] = bool(out["plain_identity"].get("ok") and out["ten_turns"].get("ok"))
@@ -333,13 +340,8 @@ def check_big_in_turn(run: Run, name: str, model: Path, launch: Callable[[str], 
             server = run.ready(f"{name}_{side}")
             replies[side] = big.plain_replies(server, tokenizer)
             if side == "patched":
-                for check, call in (("ten_turns", lambda: big.check_ten_turns(server, tokenizer)),
-                                    ("equivalence", lambda: big.check_equivalence(server, tokenizer))):
-                    try:
-                        out[check] = call()
-                    except Exception as exc:  # noqa: BLE001 - record it and go on to the next check
-                        out[check] = {"ok": False, "error": repr(exc)[-2000:]}
-                    run.log(f"{name} {check}: {json.dumps(out[check])[:300]}")
+                run_checks(run, name, out, (("ten_turns", lambda: big.check_ten_turns(server, tokenizer)),
+                                            ("equivalence", lambda: big.check_equivalence(server, tokenizer))))
         finally:
             run.stop(f"{name}_{side}")
     out["plain_identity"] = big.compare_plain(replies["patched"], replies["stock"])
@@ -414,7 +416,8 @@ def main(argv: list[str] | None = None, attached: dict[str, tuple[servers.Server
             if "gpt_oss_120b" in args.parts:
                 models.update(make_models(args.work / "models", ("gpt_oss_120b",), False))
             run.part("gpt_oss_120b", lambda: check_big_in_turn(
-                run, "gpt_oss_120b", models["gpt_oss_120b"], lambda side: launch_one("gpt_oss_120b", side, PARSERS["gpt-oss"], 6)))
+                run, "gpt_oss_120b", models["gpt_oss_120b"],
+                lambda side: launch_one("gpt_oss_120b", side, PARSERS["gpt-oss"], 6)))
     finally:
         run.stop(*list(run.servers))
         run.write()

@@ -30,6 +30,28 @@ akv_live_budget), AKV_REPLAY_MAX_RUNNING (0: SGLang's), AKV_REPLAY_PRIME (1: mea
 conversation, the first one, cold, sent before the run starts), AKV_REPLAY_TIMEOUT_S (240 per
 socket operation), AKV_REPLAY_OUT (default $OUT).
 
+Router mode (``--router affinity,round_robin``, AKV_REPLAY_ROUTER; issue #33): no stock server;
+AKV_REPLAY_WORKERS (2) patched workers, each started as the patched server is (its
+--mem-fraction-static and --max-total-tokens: AKV_REPLAY_MEM_FRACTION, default 0.8 with
+AKV_REPLAY_POOL_TOKENS 150000 each on one GPU, as for two servers together), then smg 1.13 in front
+of them once per policy, in turn: ``affinity`` through ``python -m akv.system.launch_router`` (each
+conversation's routing key, the ``x-smg-routing-key`` header akv.agent's ``send_chat_request`` sends,
+pinned to the worker least_load picks for it) and ``round_robin`` as ``python -m smg launch --policy
+round_robin`` (every request to the next worker, the key ignored). The AKV methods are replayed
+through each router's URL; every worker is flushed before each run, its KV pool sampled and its own
+request counter read (``worker_requests``); rows name their ``router``, and the report compares
+affinity with round-robin at each concurrency (cached and read fractions, output throughput, P95;
+goals: at least 2x the read fraction, a lower P95). On one GPU (smg from ``.routerkit``, made by
+``tools/gpu/router_kit.sh``; the carry leaves .devkit's jitcache out, so the workers compile SGLang's
+kernels at their first start and triton attention keeps that short), one device call with
+carry [".devkit/site-py312.tar.xz", ".devkit/MANIFEST.txt", ".routerkit"] and timeout_s 600 (not yet
+run on a GPU):
+
+    set -o pipefail; AKV_REPLAY_ROUTER=affinity,round_robin AKV_REPLAY_BACKEND=triton \
+        AKV_REPLAY_CONCURRENCY=16 AKV_REPLAY_COUNT=16 bash tools/gpu/replay_suite.sh 2>&1 | tee $OUT/log.txt
+
+and on this CPU: ``python bench/replay_suite.py --dry-run --router affinity,round_robin``.
+
 ``--merge A.json B.json [--out DIR]``: no run; the points of several device calls of one commit on one
 warm machine joined into one report (a later call's point replaces an earlier one's, and says so).
 """
@@ -44,6 +66,7 @@ import os
 import signal
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,13 +78,17 @@ from akv import cli  # noqa: E402
 from bench import serve_replay  # noqa: E402
 from bench.agent_replay.methods import FullContext  # noqa: E402
 from bench.agent_replay.serve import prepare, replay  # noqa: E402
-from bench.agent_replay.suite_report import GOALS, best, markdown, ratios, svg  # noqa: E402
+from bench.agent_replay.suite_report import GOALS, best, markdown, ratios, router_ratios, svg  # noqa: E402
 from bench.harness import results, servers  # noqa: E402
 from bench.harness.models import QWEN3_8B_SHAPE  # noqa: E402
-from bench.harness.servers import Server, free_port_pair  # noqa: E402
+from bench.harness.servers import Server, free_port, free_port_pair  # noqa: E402
 
 GPU_FLAGS = ["--load-format", "dummy", "--dtype", "bfloat16", "--page-size", "1", "--chunked-prefill-size", "8192",
              "--enable-cache-report", "--enable-metrics", "--sampling-backend", "pytorch", "--context-length", "131072"]
+ROUTER_POLICIES = ("affinity", "round_robin")
+"""Router mode's policies: affinity (``python -m akv.system.launch_router``: least_load for a new
+routing key, then pinned) and round_robin (``python -m smg launch --policy round_robin``: every
+request to the next worker, routing keys ignored)."""
 CPU_POOL_TOKENS = 16384
 """--max-total-tokens of each CPU server with --dry-run unless --pool-tokens says otherwise."""
 MIN_RUN_S = 3.0
@@ -146,6 +173,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=float(env("AKV_REPLAY_TIMEOUT_S", "240")),
                    help="seconds per socket operation of a request")
     p.add_argument("--ready-timeout", type=float, default=float(env("AKV_REPLAY_READY_TIMEOUT_S", "420")))
+    p.add_argument("--router", default=env("AKV_REPLAY_ROUTER", ""),
+                   help="router mode: smg policies, comma-separated, each replaying the AKV methods in turn through "
+                        "smg in front of --workers patched workers (no stock server): affinity (python -m "
+                        "akv.system.launch_router: each conversation's routing key, which akv.agent sends, pinned "
+                        "to one worker) and round_robin (smg's own, no key pinning)")
+    p.add_argument("--workers", type=int, default=int(env("AKV_REPLAY_WORKERS", "2")),
+                   help="patched workers behind the router (router mode; each with --mem-fraction and --pool-tokens)")
     p.add_argument("--port", type=int, default=int(env("AKV_REPLAY_PORT", "0")) or None,
                    help="stock server's port, patched's the next (default: 30100 on the H200, free ports on CPU)")
     args = p.parse_args(argv)
@@ -164,7 +198,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.akv_backend = args.akv_backend or args.backend
     args.levels = [int(c) for c in args.concurrency.split(",")]
     args.port = args.port or (free_port_pair() if args.dry_run else 30100)
-    args.servers = args.servers or ("in-turn" if args.dry_run else "together")
+    args.routers = [r.strip() for r in args.router.split(",") if r.strip()]
+    unknown = [r for r in args.routers if r not in ROUTER_POLICIES]
+    if unknown or args.workers < 1:
+        p.error(f"--router: unknown {unknown}, choose from {list(ROUTER_POLICIES)}" if unknown
+                else f"--workers must be at least 1, got {args.workers}")
+    args.servers = args.servers or ("in-turn" if args.dry_run and not args.routers else "together")
     together = args.servers == "together"
     args.mem_fraction = args.mem_fraction or ("0.8" if together else "0.85")
     args.pool_tokens = args.pool_tokens or (150_000 if together and not args.dry_run else None)
@@ -177,6 +216,16 @@ def suite_label(args: argparse.Namespace, machine_info: dict[str, Any]) -> str:
     machine = ("CPU dry run, tiny random Qwen3 (FP32)" if args.dry_run
                else f"{results.gpu_label(machine_info)}, Qwen3-8B shape, dummy weights, bf16")
     pool = f", pool {args.pool_tokens} tokens each" if args.pool_tokens else ""
+    if args.routers:
+        from akv.system.launch_router import ROUTER_PIN
+
+        return (f"{machine}; {args.workers} patched workers ({args.akv_backend} attention"
+                f"{', --akv-protect-live' if args.protect_live else ''}"
+                f"{'' if args.dry_run else f', --mem-fraction-static {args.mem_fraction}'}{pool}) behind smg "
+                f"{ROUTER_PIN}, policies {', '.join(args.routers)}; keep {args.keep}, {args.count} {args.preset} "
+                f"trajectories from turn {args.start_turn}"
+                f"{' (primed: measured from the next turn)' if args.prime else ''}, output cap "
+                f"{args.max_output_tokens or 'none'}")
     return (f"{machine}"
             f"; stock SGLang 0.5.16 ({args.backend} attention) for the text methods, the patched server "
             f"({args.akv_backend} attention{', --akv-protect-live' if args.protect_live else ''}) for AKV, "
@@ -258,6 +307,36 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
                    args.port + 1, args.logs / "server-patched.log")]
 
 
+def make_workers(args: argparse.Namespace) -> list[Server]:
+    """Router mode: ``--workers`` patched servers as :func:`make_servers` makes the patched one, named
+    worker-0, worker-1, ... (ports: free ones on the CPU, 30100 + k on the GPU)."""
+    patched = make_servers(args)[1]
+    return [Server(f"worker-{k}", patched.argv, patched.env, free_port() if args.dry_run else args.port + k,
+                   args.logs / f"server-worker-{k}.log") for k in range(args.workers)]
+
+
+def make_router(args: argparse.Namespace, policy: str, workers: list[Server]) -> Server:
+    """smg in front of ``workers`` with ``policy`` (:data:`ROUTER_POLICIES`), named router-POLICY: for
+    affinity through ``python -m akv.system.launch_router`` (its defaults), for round_robin smg itself."""
+    urls = [w.url for w in workers]
+    command = (["-m", "akv.system.launch_router"] if policy == "affinity"
+               else ["-m", "smg", "launch", "--policy", "round_robin"])
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))
+    port = free_port() if args.dry_run else args.port + args.workers + ROUTER_POLICIES.index(policy)
+    return Server(f"router-{policy}", [sys.executable, *command, "--worker-urls", *urls, "--log-level", "warn",
+                                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                  {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}, port, args.logs / f"router-{policy}.log")
+
+
+def healthy_workers(router: str) -> int:
+    """How many workers smg at ``router`` reports healthy (0 while it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{router}/workers", timeout=5) as response:
+            return sum(bool(w.get("is_healthy")) for w in json.loads(response.read())["workers"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 # ------------------------------------------------------------------------------ replay ---
 
 
@@ -268,6 +347,8 @@ def replay_args(args: argparse.Namespace, url: str) -> argparse.Namespace:
             "--start-turn", str(args.start_turn), "--standard-threshold", str(standard), "--text-threshold", str(text),
             "--keep", str(args.keep), "--timeout", str(args.timeout), "--out", str(args.out / "unused.json"), "-v",
             "--live-budget", str(args.live_budget)]
+    if args.routers:  # smg routes by model name: the workers serve theirs under the model path
+        argv += ["--model", str(args.model)]
     if args.turns:
         argv += ["--turns", str(args.turns)]
     if args.max_turns:
@@ -293,6 +374,7 @@ def warm_up(server: Server, trajectories: list, filler: Any, args: argparse.Name
 
 def write(args: argparse.Namespace, result: dict[str, Any], levels: list[int]) -> None:
     result["ratios"] = ratios(result["rows"])
+    result["router_ratios"] = router_ratios(result["rows"])
     result["ratios_text_engineering"] = ratios(result["rows"], against="text_engineering")
     result["best"] = {m: best(result["rows"], m) for m in dict.fromkeys(r["method"] for r in result["rows"])}
     results.write(result, args.out / "replay_suite.json")
@@ -352,14 +434,31 @@ class Suite:
         log(f"{server.name}: ready ({started}); warm-up request {warmup}", self.started)
         return True
 
+    def router_ready(self, router: Server, workers: list[Server]) -> bool:
+        """Wait until smg at ``router`` reports every worker healthy; False (noted) on failure."""
+        deadline = time.time() + self.args.ready_timeout
+        while healthy_workers(router.url) < len(workers):
+            if router.process.poll() is not None or time.time() > deadline:
+                tail = router.log_path.read_text()[-1500:] if router.log_path.exists() else ""
+                router.stop()
+                self.result["servers"][router.name] = {"command": router.command, "error": tail}
+                self.note(f"{router.name}: not ready with {len(workers)} healthy workers: {tail[-300:]}")
+                return False
+            time.sleep(0.5)
+        self.result["servers"][router.name] = {"command": router.command,
+                                               "startup_s": round(time.time() - self.launched[router.name], 1)}
+        log(f"{router.name}: ready, {len(workers)} workers healthy", self.started)
+        return True
+
     def stop(self, server: Server) -> None:
         """Stop `server` unless it was attached."""
         if server.name not in self.attached:
             server.stop()
 
-    def replay_phase(self, server: Server, methods: list, phase_end: float) -> None:
+    def replay_phase(self, server: Server, methods: list, phase_end: float, workers: list[Server] = ()) -> None:
         """Every (method, concurrency) of one server, each starting new requests for its share of the
-        time left before `phase_end`, less the tail (requests still in flight) seen at its level."""
+        time left before `phase_end`, less the tail (requests still in flight) seen at its level. With
+        `workers`, `server` is a router in front of them (its rows name its policy)."""
         runs = [(m, c) for c in self.levels for m in methods]  # level by level: a deadline cuts the highest
         settings = replay_args(self.args, server.url)
         for k, (method, level) in enumerate(runs):
@@ -371,10 +470,12 @@ class Suite:
             run_s = max(MIN_RUN_S, (phase_end - time.time()) / (len(runs) - k) - tail)
             log(f"{server.name}: {method.name} c={level}: new requests for {run_s:.0f} s", self.started)
             row, got = serve_replay.run_one(server.url, self.trajectories, self.filler, method, level, settings,
-                                            f"{self.started}/{server.name}/{method.name}/{level}", run_s)
+                                            f"{self.started}/{server.name}/{method.name}/{level}", run_s,
+                                            [w.url for w in workers])
             self.tails[level] = max(0.0, row["total_s"] - run_s)
-            backend = self.args.akv_backend if server.name == "patched" else self.args.backend
-            row = {"server": server.name, "backend": backend,
+            backend = self.args.backend if server.name == "stock" else self.args.akv_backend
+            router = {"router": server.name.removeprefix("router-")} if workers else {}
+            row = {"server": server.name, **router, "backend": backend,
                    "summary_requests": sum(s.kind == "summary" for s in got), **row}
             self.result["rows"].append(row)
             log(serve_replay.progress_line(row).strip(), self.started)
@@ -397,13 +498,16 @@ def merged(paths: list[Path]) -> tuple[dict[str, Any], list[int]]:
             if mine != theirs:
                 raise ValueError(f"--merge: {path} has {key} {theirs!r}, {paths[0]} has {mine!r}")
     points: dict[tuple[str, int], dict[str, Any]] = {}
-    notes = [f"run {i + 1} ({path.name}, {run['date']}): {run['label']}" for i, (path, run) in enumerate(zip(paths, runs))]
+    notes = [f"run {i + 1} ({path.name}, {run['date']}): {run['label']}"
+             for i, (path, run) in enumerate(zip(paths, runs))]
     for i, run in enumerate(runs):
         notes += [f"run {i + 1}: {n}" for n in run.get("notes", [])]
         for row in run["rows"]:
-            key = (row["method"], row["concurrency"])
+            key = (row["method"], row["concurrency"], row.get("router"))
             if key in points and points[key].get("requests"):
-                notes.append(f"{key[0]} c={key[1]} measured again in run {i + 1}: {points[key]['output_tok_per_s']:.1f} "
+                name = f"{key[0]} ({key[2]})" if key[2] else key[0]
+                notes.append(f"{name} c={key[1]} measured again in run {i + 1}: "
+                             f"{points[key]['output_tok_per_s']:.1f} "
                              f"then {row.get('output_tok_per_s') or 0:.1f} output tok/s; the later is kept")
             points[key] = row
     rows = sorted(points.values(), key=lambda r: (r["server"] != "patched", r["concurrency"], r["method"]))
@@ -416,9 +520,30 @@ def merged(paths: list[Path]) -> tuple[dict[str, Any], list[int]]:
     return result, levels
 
 
+def replay_routers(suite: Suite, workers: list[Server], phases: list, n_runs: list[int]) -> None:
+    """Router mode: start the workers (all at once), then each router in turn, replaying its methods
+    through it, and stop it before the next one starts."""
+    for worker in workers:
+        suite.launch(worker)
+    if not all([suite.ready(worker) for worker in workers]):
+        suite.note("router mode: a worker did not start; no router started")
+        return
+    for p, (router, methods) in enumerate(phases):
+        if suite.elapsed() > suite.args.deadline_s:
+            suite.note(f"{router.name}: not started, past the {suite.args.deadline_s:.0f} s deadline")
+            continue
+        suite.launch(router)
+        try:
+            if suite.router_ready(router, workers):
+                suite.replay_phase(router, methods, suite.phase_end(n_runs[p], sum(n_runs[p + 1:]), 0, 0.0), workers)
+        finally:
+            suite.stop(router)
+
+
 def main(argv: list[str] | None = None, attached: dict[str, Server] | None = None) -> int:
-    """``attached``: servers already running, by the name :func:`make_servers` gives them ("stock",
-    "patched"), which this run uses instead of launching its own and does not stop (the replay
+    """``attached``: servers already running, by the name :func:`make_servers` (or in router mode
+    :func:`make_workers`) gives them ("stock", "patched", "worker-0", ...), which this run uses instead
+    of launching its own and does not stop (the replay
     tests on the CPU run the dry run on servers they share with another test)."""
     attached = attached or {}
     started = time.time()
@@ -441,9 +566,14 @@ def main(argv: list[str] | None = None, attached: dict[str, Server] | None = Non
     make_sites(args)
     log(f"model {args.model}, stock site {args.stock_site}, patched site {args.patched_site or 'PYTHONPATH'}", started)
     stock, patched = (attached.get(server.name, server) for server in make_servers(args))
-    # AKV first, Standard first among the text methods: a deadline cuts the last text methods' highest levels
-    phases = [(patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url))),
-              (stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url)))]
+    workers = [attached.get(w.name, w) for w in make_workers(args)] if args.routers else []
+    if args.routers:  # the AKV methods through each router in turn, in front of the same workers
+        routers = [make_router(args, policy, workers) for policy in args.routers]
+        akv = serve_replay.choose_methods(args.akv_methods, replay_args(args, routers[0].url))
+        phases = [(router, akv) for router in routers if akv]
+    else:  # AKV first, Standard first among the text methods: a deadline cuts the last text methods' highest levels
+        phases = [(patched, serve_replay.choose_methods(args.akv_methods, replay_args(args, patched.url))),
+                  (stock, serve_replay.choose_methods(args.stock_methods, replay_args(args, stock.url)))]
     phases = [(server, methods) for server, methods in phases if methods]
     prepared = replay_args(args, stock.url)
     trajectories, filler = serve_replay.with_messages(serve_replay.load_trajectories(prepared), prepared)
@@ -456,10 +586,13 @@ def main(argv: list[str] | None = None, attached: dict[str, Server] | None = Non
         "knobs": {k: v for k, v in os.environ.items() if k.startswith("AKV_REPLAY_")},
         "settings": settings, "label": label,
         "goals": GOALS, "trajectories": [t.stats() for t in trajectories], "servers": {}, "rows": [], "notes": []}
-    suite = Suite(args, trajectories, filler, levels, result, started, attached=frozenset(attached))
+    suite = Suite(args, trajectories, filler, levels, result, started,
+                  attached=frozenset(server.name for server in attached.values()))
     n_runs = [len(methods) * len(levels) for _, methods in phases]
     try:
-        if args.servers == "together":
+        if workers:
+            replay_routers(suite, workers, phases, n_runs)
+        elif args.servers == "together":
             for server, _ in phases:
                 suite.launch(server)
             up = [server for server, _ in phases if suite.ready(server)]
@@ -484,7 +617,7 @@ def main(argv: list[str] | None = None, attached: dict[str, Server] | None = Non
                     suite.stop(server)
                     log(f"{server.name}: {'left running' if server.name in attached else 'stopped'}", started)
     finally:
-        for server, _ in phases:
+        for server in [*(server for server, _ in phases), *workers]:
             suite.stop(server)
         result["total_s"] = round(time.time() - started, 1)
         write(args, result, levels)

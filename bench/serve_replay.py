@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -150,10 +151,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Method, level: int,
-            args: argparse.Namespace, run_tag: str, run_seconds: float | None) -> tuple[dict[str, Any], list[Sample]]:
+            args: argparse.Namespace, run_tag: str, run_seconds: float | None,
+            workers: Sequence[str] = ()) -> tuple[dict[str, Any], list[Sample]]:
     """One (method, concurrency) run on a flushed server: `args.conversations` (default `level`)
     conversations tagged with `run_tag`, KV pool usage sampled from /metrics while it runs;
-    `total_s` includes the priming requests (`--prime`)."""
+    `total_s` includes the priming requests (`--prime`). With `workers` (the URLs of the servers
+    behind a router at `url`), each worker is flushed, sampled and read for counters instead, and
+    `worker_requests` gives the requests each one served during the run (its own counter)."""
     n = args.conversations or level
     conversations = [c for k in range(n) for c in prepare(trajectories[k % len(trajectories)], method, [k], filler,
                                                           args.start_turn, run_tag)]
@@ -161,25 +165,62 @@ def run_one(url: str, trajectories: list[Trajectory], filler: Filler, method: Me
         conversations = [dataclasses.replace(c, requests=tuple(
             dataclasses.replace(r, generated=min(r.generated, args.max_output_tokens)) for r in c.requests))
             for c in conversations]
-    flushed = flush(url)
-    counters = akv_counters(url)
-    monitor = PoolMonitor(url).start()
+    servers = list(workers) or [url]
+    flushed = all([flush(s) for s in servers])
+    counters = [akv_counters(s) for s in servers]
+    served = [served_requests(s) for s in workers]
+    monitors = [PoolMonitor(s).start() for s in servers]
     progress = (lambda line: print(f"    {method.name} c={level}: {line}", flush=True)) if args.verbose else None
     began = time.monotonic()
     try:
         got, wall = replay(url, conversations, level, args.model, filler, args.timeout, run_seconds=run_seconds,
                            progress=progress, ignore_eos=not args.no_ignore_eos, prime=args.prime)
     finally:
-        monitor.stop()
+        for monitor in monitors:
+            monitor.stop()
     row = {"method": method.name, "concurrency": level, "conversations": n, "flushed": flushed, "primed": args.prime,
            "run_seconds": run_seconds, "total_s": time.monotonic() - began, **summarize(got, wall),
-           **(monitor.summary() or {})}
-    after = akv_counters(url) if counters else {}
+           **pool_summary([m.summary() for m in monitors])}
+    if workers:
+        row["worker_requests"] = [None if before is None or now is None else int(now - before)
+                                  for before, now in zip(served, map(served_requests, workers))]
+    after = summed([akv_counters(s) for s in servers]) if any(counters) else {}
+    counters = summed(counters)
     requests = after.get("context_requests", 0.0) - counters.get("context_requests", 0.0)
     if requests > 0:  # the patched server's breakdown, per context request of the run (they overlap)
         row["akv_context_requests"] = int(requests)
         row["akv_per_request"] = client.prefill_breakdown(counters, after, requests)
     return row, got
+
+
+def served_requests(url: str) -> float | None:
+    """The requests a server has finished (SGLang's ``num_requests_total``; None without ``/metrics``)."""
+    try:
+        return client.read_metrics(url.rstrip("/")).get("num_requests_total")
+    except OSError:
+        return None
+
+
+def summed(counters: list[dict[str, float]]) -> dict[str, float]:
+    """Counters of several servers added up."""
+    out: dict[str, float] = {}
+    for one in counters:
+        for name, value in one.items():
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def pool_summary(summaries: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """One server's :meth:`PoolMonitor.summary`, or several servers' joined: the highest peak and the
+    mean of the means of each gauge (each server's own pool)."""
+    got = [s for s in summaries if s]
+    if len(got) <= 1:
+        return got[0] if got else {}
+    out: dict[str, Any] = {"kv_samples": sum(s["kv_samples"] for s in got)}
+    for key in {k for s in got for k in s if k != "kv_samples"}:
+        values = [s[key] for s in got if key in s]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out
 
 
 def akv_counters(url: str) -> dict[str, float]:

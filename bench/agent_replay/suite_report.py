@@ -1,6 +1,6 @@
 """The serving-replay suite's report: AKV vs Standard (next to the goals) and vs Text Engineering at
-equal concurrency, each method at its own best concurrency, the markdown table and an SVG of
-throughput and P95 latency."""
+equal concurrency, affinity vs round-robin routing in router mode, each method at its own best
+concurrency, the markdown table and an SVG of throughput and P95 latency."""
 
 from __future__ import annotations
 
@@ -35,6 +35,48 @@ def ratios(rows: list[dict[str, Any]], against: str = "standard") -> list[dict[s
     return out
 
 
+ROUTER_GOALS = {"read_fraction": 2.0, "latency_p95_s": 1.0}
+"""Affinity vs round-robin at equal concurrency (issue #33): at least 2x the share of prompt tokens read
+from the cache, and a better (lower) P95 latency."""
+
+
+def router_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per method and concurrency measured through both routers: affinity vs round_robin (cached and
+    read fractions and output throughput as affinity / round-robin, P50/P95 latency and TTFT P95 as
+    round-robin / affinity: above 1 is affinity better), next to :data:`ROUTER_GOALS`."""
+    by = {(r["method"], r["concurrency"], r.get("router")): r for r in rows if r.get("requests")}
+    out = []
+    for (method, level, router), mine in by.items():
+        base = by.get((method, level, "round_robin"))
+        if router != "affinity" or base is None:
+            continue
+        entry: dict[str, Any] = {"method": method, "concurrency": level}
+        for key in ("cached_fraction", "read_fraction", "output_tok_per_s"):
+            entry[key] = mine[key] / base[key] if mine.get(key) and base.get(key) else None
+        for key in ("latency_p50_s", "latency_p95_s", "ttft_p95_s"):
+            entry[key] = base[key] / mine[key] if mine.get(key) and base.get(key) else None
+        entry["meets_read_goal"] = entry["read_fraction"] is not None and \
+            entry["read_fraction"] >= ROUTER_GOALS["read_fraction"]
+        entry["meets_p95_goal"] = entry["latency_p95_s"] is not None and \
+            entry["latency_p95_s"] > ROUTER_GOALS["latency_p95_s"]
+        out.append(entry)
+    return out
+
+
+def router_lines(entries: list[dict[str, Any]]) -> list[str]:
+    """The markdown section of :func:`router_ratios`' entries."""
+    lines = ["", "Affinity vs round-robin at equal concurrency (above 1: affinity better; goals: read from the cache "
+             f">= {ROUTER_GOALS['read_fraction']}x, P95 latency better):", "",
+             "| method | conc. | cached | read | output tok/s | P50 latency | P95 latency | TTFT P95 | read goal "
+             "| P95 goal |", "|" + "---|" * 10]
+    for q in entries:
+        lines.append("| " + " | ".join([q["method"], str(q["concurrency"]), *(
+            "-" if q[k] is None else f"{q[k]:.2f}x" for k in ("cached_fraction", "read_fraction", "output_tok_per_s",
+                                                              "latency_p50_s", "latency_p95_s", "ttft_p95_s")),
+            "met" if q["meets_read_goal"] else "not met", "met" if q["meets_p95_goal"] else "not met"]) + " |")
+    return lines
+
+
 def ratio_lines(entries: list[dict[str, Any]], goals: bool) -> list[str]:
     """Markdown rows of :func:`ratios`' entries, with the goal columns when ``goals``."""
     lines = []
@@ -65,6 +107,11 @@ def short_windows(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def worker_split(row: dict[str, Any]) -> str:
+    """The requests each worker behind the router served in the run, from the workers' own counters."""
+    return "requests per worker " + "/".join("?" if n is None else str(n) for n in row["worker_requests"])
+
+
 def best(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
     """The method's row with the highest output throughput (its own best concurrency)."""
     got = [r for r in rows if r["method"] == method and r.get("output_tok_per_s")]
@@ -82,7 +129,8 @@ def markdown(result: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     for r in rows:
-        lines.append("| " + " | ".join([r["method"], r["server"], str(r["concurrency"]), cell(r.get("requests")),
+        server = r["server"] + (f" ({worker_split(r)})" if r.get("worker_requests") else "")
+        lines.append("| " + " | ".join([r["method"], server, str(r["concurrency"]), cell(r.get("requests")),
                                         cell(r.get("failed")), cell(r.get("summary_requests")),
                                         cell(r.get("output_tok_per_s"), 1), cell(r.get("input_tok_per_s"), 0),
                                         cell(r.get("cached_fraction")), cell(r.get("read_fraction")),
@@ -90,11 +138,14 @@ def markdown(result: dict[str, Any]) -> str:
                                         cell(r.get("ttft_p50_s")), cell(r.get("ttft_p95_s")),
                                         cell(r.get("kv_token_usage_max")),
                                         cell(r.get("kv_used_tokens_max"), 0)]) + " |")
-    lines += ["", "AKV vs Standard at equal concurrency (above 1: AKV better; goals: output throughput >= "
-              f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
-              "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
-              "| output goal | P95 goal |", "|" + "---|" * 10]
-    lines += ratio_lines(result["ratios"], goals=True)
+    if result.get("router_ratios"):
+        lines += router_lines(result["router_ratios"])
+    if result["ratios"] or not any(r.get("router") for r in rows):  # router mode has no Standard
+        lines += ["", "AKV vs Standard at equal concurrency (above 1: AKV better; goals: output throughput >= "
+                  f"{GOALS['output_tok_per_s']}x, P95 latency >= {GOALS['latency_p95_s']}x):", "",
+                  "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 "
+                  "| output goal | P95 goal |", "|" + "---|" * 10]
+        lines += ratio_lines(result["ratios"], goals=True)
     if result.get("ratios_text_engineering"):
         lines += ["", "AKV vs Text Engineering at equal concurrency (above 1: AKV better):", "",
                   "| method | conc. | output tok/s | input tok/s | P50 latency | P95 latency | TTFT P50 | TTFT P95 |",
@@ -131,10 +182,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 def svg(rows: list[dict[str, Any]], levels: list[int]) -> str:
     """Output throughput and P95 latency per method, by position in the concurrency sweep."""
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    def name(r: dict[str, Any]) -> str:
+        return f"{r['method']} ({r['router']})" if r.get("router") else r["method"]
+
+    methods = list(dict.fromkeys(map(name, rows)))
 
     def series(key: str) -> dict[str, list[float | None]]:
-        by = {(r["method"], r["concurrency"]): r.get(key) for r in rows}
+        by = {(name(r), r["concurrency"]): r.get(key) for r in rows}
         return {m: [by.get((m, c)) for c in levels] for m in methods}
 
     label = "concurrency " + ", ".join(str(c) for c in levels) + " (by position)"

@@ -116,3 +116,27 @@ def test_dry_run_serves_text_methods_on_stock_and_akv_on_the_patched_server(serv
         assert result["servers"][name]["attached"] and result["servers"][name]["warmup"]["error"] is None, name
         with urllib.request.urlopen(f"{server.url}/health", timeout=10) as response:
             assert response.status == 200, name
+
+
+def test_router_dry_run_pins_conversations_with_affinity_and_spreads_them_with_round_robin(servers: Servers) -> None:
+    """Router mode's --dry-run (two workers: the module's patched server, attached, and one the suite
+    starts) with akv_keep12 at concurrency 1 through smg with affinity, then round-robin: the workers' own
+    request counters show the affinity run's conversation on one worker and the round-robin run's on both;
+    the AKV fields pass through smg (the served usage shows drops), and affinity reads more of each prompt
+    from the cache (round-robin's worker holds the conversation as of two turns before)."""
+    out = servers.out.parent / "router-out"
+    argv = [*servers.argv, "--out", str(out), "--router", "affinity,round_robin", "--concurrency", "1",
+            "--akv-methods", "akv_keep12", "--target-s", "600", "--deadline-s", "900"]
+    assert replay_suite.main(argv, attached={"worker-0": servers.running["patched"]}) == 0
+    result = json.loads((out / "replay_suite.json").read_text())
+    rows = {r["router"]: r for r in result["rows"]}
+    assert set(rows) == {"affinity", "round_robin"}
+    assert all(r["method"] == "akv_keep12" and r["failed"] == 0 and r["requests"] == 3 for r in rows.values())
+    assert [n > 0 for n in rows["affinity"]["worker_requests"]].count(True) == 1, rows["affinity"]["worker_requests"]
+    assert all(n > 0 for n in rows["round_robin"]["worker_requests"]), rows["round_robin"]["worker_requests"]
+    assert rows["affinity"]["drop_skipped_tokens"] > 0 and rows["affinity"]["server_reported_akv_usage"]
+    assert rows["affinity"]["prompt_tokens"] == rows["round_robin"]["prompt_tokens"]  # the same requests
+    assert rows["affinity"]["cached_tokens"] > rows["round_robin"]["cached_tokens"]
+    assert {"worker-1", "router-affinity", "router-round_robin"} <= set(result["servers"])
+    with urllib.request.urlopen(f"{servers.running['patched'].url}/health", timeout=10) as response:
+        assert response.status == 200  # attached: left running

@@ -69,7 +69,8 @@ def test_ratios_against_text_engineering_and_their_table():
     result = {"command": "c", "label": "test", "rows": rows, "ratios": report.ratios(rows),
               "ratios_text_engineering": got}
     text = report.markdown(result)
-    assert "AKV vs Text Engineering" in text and "| akv_keep12 | 16 | 0.80x | 0.80x | 0.50x | 0.50x | 1.00x | 1.00x |" in text
+    assert "AKV vs Text Engineering" in text
+    assert "| akv_keep12 | 16 | 0.80x | 0.80x | 0.50x | 0.50x | 1.00x | 1.00x |" in text
 
 
 def _run(tmp_path, name, rows, gpu="GPU 0: NVIDIA H100 80GB HBM3", commit="abc", notes=()):
@@ -117,3 +118,47 @@ def test_a_point_with_under_two_requests_per_conversation_is_flagged():
     text = report.markdown({"command": "c", "label": "t", "rows": rows, "ratios": report.ratios(rows)})
     assert "- standard c=16: 16 requests for 16 conversations: the first turns after priming" in text
     assert "akv_keep12 c=4: 46" not in text
+
+
+def test_router_ratios_compare_affinity_with_round_robin_at_equal_concurrency():
+    rows = [_row("akv_keep12", 16, 120.0, 10.0, "router-affinity", router="affinity", cached_fraction=0.9,
+                 read_fraction=0.8),
+            _row("akv_keep12", 16, 100.0, 25.0, "router-round_robin", router="round_robin", cached_fraction=0.3,
+                 read_fraction=0.4),
+            _row("akv_keep12", 4, 50.0, 2.0, "router-affinity", router="affinity", cached_fraction=0.9,
+                 read_fraction=0.9)]
+    got = report.router_ratios(rows)
+    assert [(q["concurrency"], q["cached_fraction"], q["read_fraction"], q["output_tok_per_s"], q["latency_p95_s"])
+            for q in got] == [(16, 3.0, 2.0, 1.2, 2.5)]  # no round-robin row at 4
+    assert got[0]["meets_read_goal"] and got[0]["meets_p95_goal"]
+    text = report.markdown({"command": "c", "label": "l", "rows": rows, "ratios": [], "router_ratios": got})
+    assert "| akv_keep12 | 16 | 3.00x | 2.00x | 1.20x | 2.50x | 2.50x | 1.00x | met | met |" in text
+    assert "AKV vs Standard" not in text  # router mode runs no Standard
+    slower = [{**rows[0], "latency_p95_s": 30.0, "read_fraction": 0.7}, rows[1]]
+    assert [(q["meets_read_goal"], q["meets_p95_goal"]) for q in report.router_ratios(slower)] == [(False, False)]
+
+
+def test_router_mode_starts_workers_and_one_router_per_policy(tmp_path, monkeypatch):
+    """``--router affinity,round_robin``: --workers patched workers with the patched server's flags, smg
+    with affinity through akv.system.launch_router (which adds sticky routing keys) and round-robin as
+    smg itself, without sticky keys; an unknown policy is refused naming it."""
+    import pytest
+
+    from bench import replay_suite
+
+    monkeypatch.delenv("AKV_REPLAY_ROUTER", raising=False)
+    args = replay_suite.parse_args(["--dry-run", "--out", str(tmp_path / "o"), "--router", "affinity,round_robin",
+                                    "--workers", "3"])
+    workers = replay_suite.make_workers(args)
+    patched = replay_suite.make_servers(args)[1]
+    assert [w.name for w in workers] == ["worker-0", "worker-1", "worker-2"]
+    assert all(w.argv == patched.argv for w in workers) and len({w.port for w in workers}) == 3
+    affinity, round_robin = (replay_suite.make_router(args, p, workers) for p in args.routers)
+    assert affinity.argv[1:3] == ["-m", "akv.system.launch_router"] and "--policy" not in affinity.argv
+    assert round_robin.argv[1:6] == ["-m", "smg", "launch", "--policy", "round_robin"]
+    assert "--routing-key-override" not in round_robin.argv
+    for router in (affinity, round_robin):
+        urls = router.argv[router.argv.index("--worker-urls") + 1:][:3]
+        assert urls == [w.url for w in workers]
+    with pytest.raises(SystemExit):
+        replay_suite.parse_args(["--dry-run", "--out", str(tmp_path / "p"), "--router", "cache_aware"])

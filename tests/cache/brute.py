@@ -147,10 +147,9 @@ class SimulatedKV:
 
 
 
-def brute_needed(program: ContextProgram) -> int:
-    """How many tokens an empty cache must compute for ``program``: the last one (its logits), those
-    generation reads, and every token a query that runs reads (walked back from the end); from the
-    events alone, as :func:`brute_layout` walks them."""
+def brute_reads(program: ContextProgram) -> tuple[list[list[int]], set[int]]:
+    """Per token, the earlier tokens its query reads, and the tokens hidden at the end (dropped by
+    some event); from the events alone, as :func:`brute_layout` walks them."""
     n = program.n_tokens
     pending = sorted(program.events, key=lambda e: e.at)
     hidden: set[int] = set()
@@ -162,6 +161,14 @@ def brute_needed(program: ContextProgram) -> int:
                 hidden.update(s for a, b in event.ranges for s in range(a, b))
         if t < n:
             reads.append([s for s in range(t) if s not in hidden])
+    return reads, hidden
+
+
+def brute_needed(program: ContextProgram) -> int:
+    """How many tokens an empty cache must compute for ``program``: the last one (its logits), those
+    generation reads, and every token a query that runs reads (walked back from the end)."""
+    n = program.n_tokens
+    reads, hidden = brute_reads(program)
     needed = {s for s in range(n) if s not in hidden} | {n - 1}
     for t in range(n - 1, -1, -1):
         if t in needed:

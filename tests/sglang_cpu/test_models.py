@@ -212,36 +212,15 @@ def test_gpt_oss_with_hybrid_swa_memory_is_refused_at_startup(patched_site: Path
               server_args={"disable_hybrid_swa_memory": False})
 
 
-def test_sliding_window_models_on_flashinfer_are_refused_at_startup(patched_site: Path) -> None:
-    """FlashInfer's sliding-window wrappers take no AKV lists: the AKV cache refuses to start there."""
-    script = """
+def _refusals(cases: list[tuple[str, int | None, str, tuple[str | None, ...]]],
+              patched_site: Path) -> tuple[list[str], str]:
+    """The AKV cache built, in a process with the patched site, for each (model type, sliding window,
+    KV dtype, (attention, decode, prefill backend)): the "refused:" lines, and all it printed."""
+    script = f"""
 from types import SimpleNamespace
 from akv.system.adapter import radix_backend
-ctx = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: {"model_type": "gpt_oss"})),
-                      is_hybrid_ssm=False, is_hybrid_swa=False, tp_worker=SimpleNamespace(sliding_window_size=127))
-for backends in [("flashinfer", None, None), ("triton", "flashinfer", None)]:
-    radix_backend.get_server_args = lambda: SimpleNamespace(attention_backend=backends[0],
-        decode_attention_backend=backends[1], prefill_attention_backend=backends[2])
-    try:
-        radix_backend.build(ctx)
-    except ValueError as exc:
-        print("refused:", exc)
-"""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
-    assert len(lines) == 2 and all("--attention-backend triton" in line for line in lines), done.stdout + done.stderr
-
-
-def test_models_fa3_cannot_serve_exactly_are_refused_at_startup(patched_site: Path) -> None:
-    """The AKV cache refuses to start on FA3 (as the attention, decode or prefill backend) for a
-    sliding-window model and for an FP8 KV cache, naming the backends that serve them."""
-    script = """
-from types import SimpleNamespace
-from akv.system.adapter import radix_backend
-for window, dtype, backends in [(127, "auto", ("fa3", None, None)), (127, "auto", ("triton", "fa3", None)),
-                                (None, "fp8_e4m3", ("triton", None, "fa3"))]:
-    ctx = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: {"model_type": "qwen3"})),
+for model_type, window, dtype, backends in {cases!r}:
+    ctx = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: {{"model_type": model_type}})),
                           is_hybrid_ssm=False, is_hybrid_swa=False, tp_worker=SimpleNamespace(sliding_window_size=window))
     radix_backend.get_server_args = lambda: SimpleNamespace(attention_backend=backends[0], kv_cache_dtype=dtype,
         decode_attention_backend=backends[1], prefill_attention_backend=backends[2])
@@ -252,8 +231,23 @@ for window, dtype, backends in [(127, "auto", ("fa3", None, None)), (127, "auto"
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE / "site"), str(patched_site), str(ROOT)])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
-    assert len(lines) == 3, done.stdout + done.stderr
+    return [line for line in done.stdout.splitlines() if line.startswith("refused:")], done.stdout + done.stderr
+
+
+def test_sliding_window_models_on_flashinfer_are_refused_at_startup(patched_site: Path) -> None:
+    """FlashInfer's sliding-window wrappers take no AKV lists: the AKV cache refuses to start there."""
+    lines, output = _refusals([("gpt_oss", 127, "auto", ("flashinfer", None, None)),
+                               ("gpt_oss", 127, "auto", ("triton", "flashinfer", None))], patched_site)
+    assert len(lines) == 2 and all("--attention-backend triton" in line for line in lines), output
+
+
+def test_models_fa3_cannot_serve_exactly_are_refused_at_startup(patched_site: Path) -> None:
+    """The AKV cache refuses to start on FA3 (as the attention, decode or prefill backend) for a
+    sliding-window model and for an FP8 KV cache, naming the backends that serve them."""
+    lines, output = _refusals([("qwen3", 127, "auto", ("fa3", None, None)),
+                               ("qwen3", 127, "auto", ("triton", "fa3", None)),
+                               ("qwen3", None, "fp8_e4m3", ("triton", None, "fa3"))], patched_site)
+    assert len(lines) == 3, output
     assert all("attention_backend 'fa3' cannot serve context requests with sliding-window layers" in line
                and line.endswith("--attention-backend triton") for line in lines[:2]), lines
     assert "with kv_cache_dtype 'fp8_e4m3'" in lines[2] and lines[2].endswith("triton or flashinfer"), lines

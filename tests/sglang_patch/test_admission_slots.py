@@ -21,8 +21,8 @@ from akv.system.cache.core import CacheCore
 from akv.system.cache.occurrence import cold_plan
 from akv.system.cache.pool import SlotPool
 from akv.system.context.wire import encode_program
-from akv.system.context.program import ContextProgram, EventKind
-from tests.cache.brute import Interner, SimulatedKV, Trace, brute_layout, brute_needed
+from akv.system.context.program import ContextProgram
+from tests.cache.brute import Interner, SimulatedKV, Trace, brute_layout, brute_needed, brute_reads
 from tests.cache.conversations import conversations
 
 SERVER = SimpleNamespace(radix_cache_backend="akv", chunked_prefill_size=64, disaggregation_mode="null")
@@ -41,14 +41,7 @@ def brute_held(program: ContextProgram) -> int:
     query of this or a later round, or generation, reads; from the events alone (the rounds' bounds
     are the plan's segments)."""
     n = program.n_tokens
-    pending, hidden, reads = sorted(program.events, key=lambda e: e.at), set(), []
-    for t in range(n + 1):
-        while pending and pending[0].at == t:
-            event = pending.pop(0)
-            if event.kind == EventKind.DROP:
-                hidden.update(s for a, b in event.ranges for s in range(a, b))
-        if t < n:
-            reads.append([s for s in range(t) if s not in hidden])
+    reads, hidden = brute_reads(program)
     last = {s: n for s in range(n) if s not in hidden}  # generation reads it
     last[n - 1] = n
     for t in range(n - 1, -1, -1):

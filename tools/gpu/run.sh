@@ -27,11 +27,15 @@
 #        SERVER_ARGS (default "--disable-cuda-graph --sampling-backend pytorch")
 #        READY_TIMEOUT_S (default 300), DEADLINE_S (default 540: later steps are skipped after it)
 #        PORT (default 30000), SAVE_JIT_CACHE (default 0)
+#        ROUTER_KIT (default .routerkit, made by tools/gpu/router_kit.sh): where present, its smg-site.tar.xz
+#          (smg for the router) is installed into the site, and its overlay.tar.xz when .devkit/overlay is
+#          not carried (the router call carries only .devkit's site archive: see router_kit.sh)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$ROOT"
 KIT=$ROOT/.devkit
+ROUTER_KIT=${ROUTER_KIT:-$ROOT/.routerkit}
 OUT=${OUT:-$ROOT/gpu-out}
 mkdir -p "$OUT"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/akv-run.XXXXXX") || exit 9
@@ -117,7 +121,7 @@ step "start: $(head -c 400 "$WORK/logs/env.txt" | tr '\n' ' ')"
 # ---------------------------------------------------------------------- install ---
 install_site() {
   [ -f "$KIT/site-py312.tar.xz" ] || { echo "missing $KIT/site-py312.tar.xz: run tools/gpu/prepare.sh and carry .devkit"; return 10; }
-  [ -d "$KIT/overlay/sglang" ] || { echo "missing $KIT/overlay: run tools/gpu/prepare.sh"; return 10; }
+  [ -d "$KIT/overlay/sglang" ] || [ -f "$ROUTER_KIT/overlay.tar.xz" ] || { echo "missing $KIT/overlay: run tools/gpu/prepare.sh"; return 10; }
   mkdir -p "$SITE"
   if command -v xz >/dev/null; then
     xz -T0 -dc "$KIT/site-py312.tar.xz" | tar -x -C "$SITE" || return 11
@@ -125,7 +129,9 @@ install_site() {
     python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:xz').extractall(sys.argv[2])" \
       "$KIT/site-py312.tar.xz" "$SITE" || return 11
   fi
-  cp -a "$KIT/overlay/." "$SITE/" || return 12
+  if [ -d "$KIT/overlay/sglang" ]; then cp -a "$KIT/overlay/." "$SITE/" || return 12
+  else tar -xJf "$ROUTER_KIT/overlay.tar.xz" -C "$SITE" || return 12; fi
+  if [ -f "$ROUTER_KIT/smg-site.tar.xz" ]; then tar -xJf "$ROUTER_KIT/smg-site.tar.xz" -C "$SITE" || return 12; fi
   find "$SITE/sglang" -name __pycache__ -prune -exec rm -rf {} + 2>/dev/null
   local jit
   for jit in "$KIT/jitcache.tar.xz" "$KIT/jitcache-akv.tar.xz"; do
