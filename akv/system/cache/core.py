@@ -119,7 +119,7 @@ class CacheCore:
         """Whether ``draft`` is still what :meth:`match` would plan: nothing on its tree path changed
         in a way that could change its match or the versions it rotates in place
         (:meth:`akv.system.cache.tree.RadixTree.unchanged`)."""
-        return self.tree.unchanged(draft.mark, draft.plan.taken)
+        return self.tree.unchanged(draft.mark, draft.key.token_record[draft.plan.taken_tokens])
 
     def resident(self, key: RecordKey) -> MatchResult:
         """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
@@ -183,7 +183,7 @@ class CacheCore:
                 self.pool.decref(borrowed)
             raise
         if taken.size:
-            self.tree.take(draft.key, taken)
+            self.tree.take(draft.key, draft.plan.taken_tokens, taken)
         copies = fresh[: draft.n_copy_slots]
         plan = draft.plan.bind_copies(copies, fresh[draft.n_copy_slots :] if with_births else None)
         births = np.full(draft.program.n_tokens, -1, dtype=np.int64)

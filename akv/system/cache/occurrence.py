@@ -76,6 +76,8 @@ class DraftPlan:
     colors: np.ndarray
     taken: np.ndarray = field(default_factory=lambda: frozen(np.zeros(0, np.int64), np.int64))
     compact: bool = False
+    taken_tokens: np.ndarray = field(default_factory=lambda: frozen(np.zeros(0, np.int64), np.int64))
+    """The token whose version each of ``taken`` holds."""
 
     @property
     def n_births(self) -> int:
@@ -191,7 +193,8 @@ def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bo
     plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), frozen(np.zeros(0, np.int64), np.int64),
                        frozen(computed, bool), usage)
     colors, n_colors = recycle_slots(table.created(), table.last_use())
-    return DraftPlan(program.n_tokens, n_colors, plan, frozen(colors, np.int64), table.taken(), compact)
+    return DraftPlan(program.n_tokens, n_colors, plan, frozen(colors, np.int64), table.taken(), compact,
+                     table.taken_tokens())
 
 
 def _terminal_as_last_segment(program: ContextProgram, segments: list[Segment], kept: np.ndarray,
@@ -293,6 +296,7 @@ class _VersionTable:
         self.used = np.zeros(self.slots.shape, dtype=bool)
         self.takeable = takeable if m else None
         self._taken: list[np.ndarray] = []
+        self._taken_tokens: list[np.ndarray] = []
         self.births_in_place = births_in_place
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
@@ -392,6 +396,7 @@ class _VersionTable:
             dst[in_place] = src[in_place]
             if taken.any():
                 self._taken.append(src[taken])
+                self._taken_tokens.append(need[taken])
             self.slots[need[in_place], src_col[in_place]] = _EMPTY
             self.positions[need[in_place], src_col[in_place]] = _EMPTY
         self.slots[need, self.copy_col] = dst
@@ -419,6 +424,10 @@ class _VersionTable:
     def taken(self) -> np.ndarray:
         """Tree slots the plan rotates in place."""
         return frozen(np.concatenate(self._taken) if self._taken else np.zeros(0, np.int64), np.int64)
+
+    def taken_tokens(self) -> np.ndarray:
+        """The token of each of :meth:`taken`."""
+        return frozen(np.concatenate(self._taken_tokens) if self._taken_tokens else np.zeros(0, np.int64), np.int64)
 
     def pin(self, slots: np.ndarray) -> None:
         """Generation reads ``slots``: the versions in them live to the end."""

@@ -152,21 +152,27 @@ class RadixTree:
         marks = tuple((node, common, node.changes, node.read_changes) for node, common in parts)
         return PathMark(key.namespace, root, marks, end, next_record)
 
-    def unchanged(self, mark: PathMark, taken: np.ndarray) -> bool:
+    def unchanged(self, mark: PathMark, taken_rows: np.ndarray) -> bool:
         """Whether a match of the key ``mark`` was taken for would find the same records and versions,
-        and a plan that rotates the versions ``taken`` in place may still do so: no node of its path was
-        split, pruned or had versions added or removed, no child continues it past its end, and, when
-        ``taken`` is not empty, neither the path's last node nor a node holding a taken version has
-        new readers (other read changes only mean that a plan made now might rotate more in place)."""
+        and a plan that rotates in place the versions of the key's records ``taken_rows`` may still
+        do so: no node of its path was split, pruned or had versions added or removed, no child
+        continues it past its end, and, when ``taken_rows`` is not empty, neither the path's last node
+        nor a node holding a taken version has new readers (other read changes only mean that a plan
+        made now might rotate more in place)."""
         if self._roots.get(mark.namespace) is not mark.root:
             return False
-        last = len(mark.parts) - 1
+        holding = None
         for i, (node, common, changes, read_changes) in enumerate(mark.parts):
             if not node.attached or node.changes != changes:
                 return False
-            if (node.read_changes != read_changes and taken.size
-                    and (i == last or np.isin(node.slots[:common], taken).any())):
-                return False
+            if node.read_changes != read_changes and taken_rows.size:
+                if holding is None:
+                    ends = np.cumsum([part[1] for part in mark.parts])
+                    holding = np.zeros(len(mark.parts), dtype=bool)
+                    holding[np.searchsorted(ends, taken_rows, side="right")] = True
+                    holding[-1] = True
+                if holding[i]:
+                    return False
         return mark.next_record is None or mark.next_record not in mark.end.children
 
     def exclusive(self, key: RecordKey, match: MatchResult, tokens: np.ndarray | None = None) -> np.ndarray:
@@ -203,21 +209,31 @@ class RadixTree:
             out[mine] = free[mine] & alone
         return out
 
-    def take(self, key: RecordKey, slots: np.ndarray) -> None:
-        """Give up the tree's versions held in ``slots`` (each a version of a token of ``key``'s
-        matched path; a request holds them and rotates them in place, publishing them again when
-        it finishes)."""
+    def take(self, key: RecordKey, tokens: np.ndarray, slots: np.ndarray) -> None:
+        """Give up the tree's versions held in ``slots``, ``slots[i]`` a version of matched token
+        ``tokens[i]`` of ``key`` (a request holds them and rotates them in place, publishing them
+        again when it finishes). Touches only the nodes holding them."""
         slots = np.asarray(slots, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64)
         if slots.size == 0:
             return
+        if tokens.shape != slots.shape:
+            raise TreeError(f"tokens: shape {tokens.shape} does not match slots {slots.shape}")
+        parts = self._path(key)
+        rows = key.token_record[tokens]
+        starts = np.cumsum([0] + [common for _, common in parts])
+        which = np.searchsorted(starts, rows, side="right") - 1
         found = 0
-        for node, common in self._path(key):
-            cells = np.isin(node.slots[:common], slots)
-            if cells.any():
-                found += int(np.count_nonzero(cells))
-                node.slots[:common][cells] = _EMPTY
-                node.positions[:common][cells] = _EMPTY
-                self._changed(node)
+        for p in np.unique(which[which < len(parts)]).tolist():
+            node, common = parts[p]
+            mine = np.flatnonzero(which == p)
+            local = rows[mine] - starts[p]
+            cells = node.slots[local] == slots[mine, None]
+            hit = cells.any(axis=1)
+            found += int(np.count_nonzero(hit))
+            node.slots[local[hit]] = np.where(cells[hit], _EMPTY, node.slots[local[hit]])
+            node.positions[local[hit]] = np.where(cells[hit], _EMPTY, node.positions[local[hit]])
+            self._changed(node)
         if found != slots.size:
             raise TreeError(f"slots: {slots.size - found} of the {slots.size} slots to take are not on the key's path")
         self.pool.tree_decref(slots)
