@@ -536,28 +536,31 @@ class RadixTree:
         return upper
 
     def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Add the versions ``node`` lacks; returns the slot resident for each given one."""
+        """Add the versions ``node`` lacks; returns the slot resident for each given one. Reads only
+        the node's rows that are given a version (a publication adds a few versions to a long path)."""
         resident = slots.copy()
+        given = slots >= 0
+        rows = np.flatnonzero(given[:, 0]) if slots.shape[1] == 1 else np.flatnonzero(given.any(axis=1))
+        if rows.size == 0:
+            return resident
+        slots, positions, index = slots[rows], positions[rows], np.arange(rows.size)
         for j in range(slots.shape[1]):
-            same = (node.positions == positions[:, j, None]) & (node.slots >= 0)
-            duplicate, at = first_true(same)
-            if node.slots.shape[1] == 1:  # the one version a row holds is the duplicate
-                resident[:, j] = np.where(duplicate, node.slots[:, 0], resident[:, j])
-            elif duplicate.any():
-                rows = np.flatnonzero(duplicate)
-                resident[rows, j] = node.slots[rows, at[rows]]
+            held_slots, held_positions = node.slots[rows], node.positions[rows]
+            duplicate, at = first_true((held_positions == positions[:, j, None]) & (held_slots >= 0))
+            if duplicate.any():
+                resident[rows[duplicate], j] = held_slots[index[duplicate], at[duplicate]]
             add = (slots[:, j] >= 0) & ~duplicate
             if not add.any():
                 continue
-            rows = np.flatnonzero(add)
-            has_free, cols = first_true(node.slots[rows] < 0)
+            target = rows[add]
+            has_free, cols = first_true(node.slots[target] < 0)
             if not has_free.all():
                 node.slots = _widen(node.slots)
                 node.positions = _widen(node.positions)
-                cols = first_true(node.slots[rows] < 0)[1]
-            node.slots[rows, cols] = slots[rows, j]
-            node.positions[rows, cols] = positions[rows, j]
-            self.pool.tree_incref(slots[rows, j])
+                cols = first_true(node.slots[target] < 0)[1]
+            node.slots[target, cols] = slots[add, j]
+            node.positions[target, cols] = positions[add, j]
+            self.pool.tree_incref(slots[add, j])
             self._changed(node)
         return resident
 
