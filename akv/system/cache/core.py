@@ -291,11 +291,13 @@ def _own_versions(program: ContextProgram, plan: RequestPlan, generated_slots: n
     n = program.n_tokens
     terminal = plan.terminal
     tokens, positions, slots, kept = [], [], [], []
+    read_at_end = np.sort(terminal.slots)
     for job, births in [(s.copies, s) for s in plan.segments] + [(terminal.copies, None)]:
         tokens.append(job.tokens)
         positions.append(job.new_positions)
         slots.append(job.dst)
-        kept.append(np.isin(job.dst, terminal.slots))
+        at = np.minimum(np.searchsorted(read_at_end, job.dst), max(read_at_end.size - 1, 0))
+        kept.append(read_at_end[at] == job.dst if read_at_end.size else np.zeros(job.dst.size, dtype=bool))
         if births is not None:
             tokens.append(np.arange(births.start, births.end))
             positions.append(births.positions)

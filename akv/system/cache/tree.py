@@ -624,13 +624,23 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _gather(parts: list[tuple[TreeNode, int]], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Versions of the records ``rows`` (ascending, within the matched records of ``parts``), each
+    node's rows written once into the padded result."""
     width = max((node.slots.shape[1] for node, _ in parts), default=1)
-    slots = [_pad(node.slots[:common], width) for node, common in parts]
-    positions = [_pad(node.positions[:common], width) for node, common in parts]
-    if not slots:
-        empty = np.zeros((0, width), dtype=np.int64)
-        return empty, empty.copy()
-    return np.take(np.concatenate(slots), rows, axis=0), np.take(np.concatenate(positions), rows, axis=0)
+    slots = np.full((rows.size, width), _EMPTY, dtype=np.int64)
+    positions = np.full((rows.size, width), _EMPTY, dtype=np.int64)
+    start = 0
+    for node, common in parts:
+        lo, hi = np.searchsorted(rows, [start, start + common]).tolist()
+        if hi > lo:
+            local = rows[lo:hi] - start
+            first, last = int(local[0]), int(local[-1])
+            index = slice(first, last + 1) if last - first + 1 == hi - lo else local
+            w = node.slots.shape[1]
+            slots[lo:hi, :w] = node.slots[index]
+            positions[lo:hi, :w] = node.positions[index]
+        start += common
+    return slots, positions
 
 
 def _spread(values: np.ndarray, token_record: np.ndarray, n_records: int) -> np.ndarray:
@@ -639,12 +649,6 @@ def _spread(values: np.ndarray, token_record: np.ndarray, n_records: int) -> np.
     index = np.full(n_records, values.shape[0], dtype=np.int64)
     index[token_record] = np.arange(values.shape[0])
     return np.take(np.concatenate([values, np.full((1, values.shape[1]), _EMPTY, dtype=values.dtype)]), index, axis=0)
-
-
-def _pad(arr: np.ndarray, width: int) -> np.ndarray:
-    if arr.shape[1] == width:
-        return arr
-    return np.pad(arr, ((0, 0), (0, width - arr.shape[1])), constant_values=_EMPTY)
 
 
 def _widen(arr: np.ndarray) -> np.ndarray:
