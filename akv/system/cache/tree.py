@@ -298,9 +298,9 @@ class RadixTree:
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
                 lo, hi = np.searchsorted(given_records, [i, i + common]).tolist()
-                if hi > lo:  # only the rows given a version are read
-                    rows = given[lo:hi]
-                    resident[rows] = self._merge(child, given_records[lo:hi] - i, slots[rows], positions[rows])
+                if hi > lo:  # only the rows given a version are read (as slices where they are a run)
+                    rows, records = _span(given[lo:hi], given_records[lo:hi] - i)
+                    resident[rows] = self._merge(child, records, slots[rows], positions[rows])
             self._touch(child, stamp)
             i += common
             node = child
@@ -512,7 +512,7 @@ class RadixTree:
         parent.children[int(key[0])] = node
         self._n_nodes += 1
         if slots.shape[1] > 1:
-            return node, self._merge(node, np.arange(key.shape[0]), slots, positions)
+            return node, self._merge(node, slice(0, key.shape[0]), slots, positions)
         held = slots[:, 0] >= 0
         if held.any():
             self.pool.tree_incref(slots[:, 0][held])
@@ -537,12 +537,16 @@ class RadixTree:
         self._n_nodes += 1
         return upper
 
-    def _merge(self, node: TreeNode, rows: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def _merge(self, node: TreeNode, rows: np.ndarray | slice, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Add the versions ``slots[i, j]`` at ``positions[i, j]`` (-1: none) of the node's records
-        ``rows[i]`` that it lacks; returns the slot resident for each given one. Reads only those rows
-        (a publication adds a few versions to a long path)."""
+        ``rows[i]`` (an index or a slice) that it lacks; returns the slot resident for each given one.
+        Reads only those rows (a publication adds a few versions to a long path)."""
         resident = slots.copy()
-        index = np.arange(rows.size)
+        index = np.arange(slots.shape[0])
+        if isinstance(rows, slice):
+            rows_index = index + rows.start
+        else:
+            rows_index = rows
         for j in range(slots.shape[1]):
             held_slots, held_positions = node.slots[rows], node.positions[rows]
             duplicate, at = first_true((held_positions == positions[:, j, None]) & (held_slots >= 0))
@@ -551,7 +555,7 @@ class RadixTree:
             add = (slots[:, j] >= 0) & ~duplicate
             if not add.any():
                 continue
-            target = rows[add]
+            target = rows_index[add]
             has_free, cols = first_true(node.slots[target] < 0)
             if not has_free.all():
                 node.slots = _widen(node.slots)
@@ -641,6 +645,16 @@ def _gather(parts: list[tuple[TreeNode, int]], rows: np.ndarray) -> tuple[np.nda
             positions[lo:hi, :w] = node.positions[index]
         start += common
     return slots, positions
+
+
+def _span(tokens: np.ndarray, records: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | slice]:
+    """Token rows and node records of the versions given to one node (ascending, in step), as the
+    slices spanning them when no event record lies between them and they fill at least a quarter
+    of the span (rows between hold no version, so the merge skips them), else as they are."""
+    n_tokens = int(tokens[-1]) - int(tokens[0]) + 1
+    if n_tokens == int(records[-1]) - int(records[0]) + 1 and 4 * tokens.size >= n_tokens:
+        return slice(int(tokens[0]), int(tokens[-1]) + 1), slice(int(records[0]), int(records[-1]) + 1)
+    return tokens, records
 
 
 def _spread(values: np.ndarray, token_record: np.ndarray, n_records: int) -> np.ndarray:
