@@ -60,12 +60,13 @@ class TreeNode:
     """One edge: ``key`` records with ``slots``/``positions`` arrays of shape (len, width);
     ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
-    __slots__ = ("key", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
+    __slots__ = ("key", "n_tokens", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
                  "last_access", "uid", "changes", "read_changes")
 
     def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
                  read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
         self.key = key
+        self.n_tokens = int(np.count_nonzero(key >= 0))  # its token records (the rest are events)
         self.slots = slots
         self.positions = positions
         self.read_pos = np.full((key.shape[0], 1), _EMPTY, dtype=np.int64) if read_pos is None else read_pos
@@ -387,11 +388,15 @@ class RadixTree:
         assert parent is not None
         old = parent.terminal
         if old is not None:
-            if leaf.terminal is None and np.array_equal(terminal[: old.size], old):
+            if leaf.terminal is None:
                 parent.terminal = None
                 leaf.terminal = terminal.copy()
                 parent.read_changes += 1
                 leaf.read_changes += 1
+                changed = np.flatnonzero(terminal[: old.size] != old)
+                if changed.size:  # the path above reads some tokens elsewhere now: count only those
+                    self._count_changes(parent, changed, old[changed], -1)
+                    self._count_changes(parent, changed, terminal[changed], 1)
                 self._count_node(leaf, terminal[old.size :], 1)
                 return
             self._forget_end(parent)
@@ -422,6 +427,28 @@ class RadixTree:
         while node is not None and node.attached:
             stop -= self._count_node(node, terminal[: stop], delta)
             node = node.parent
+
+    def _count_changes(self, end: TreeNode, tokens: np.ndarray, positions: np.ndarray, delta: int) -> None:
+        """Add ``delta`` to the reads of path tokens ``tokens`` (ascending) at ``positions`` (-1: not
+        read), on the path ending at ``end``; visits only the nodes holding them."""
+        stop = 0  # tokens of the path from the root to the current node's end
+        node: TreeNode | None = end
+        nodes = []
+        while node is not None and node.attached:
+            nodes.append(node)
+            stop += node.n_tokens
+            node = node.parent
+        for node in nodes:
+            start = stop - node.n_tokens
+            lo, hi = np.searchsorted(tokens, [start, stop]).tolist()
+            stop = start
+            if hi == lo:
+                continue
+            read = positions[lo:hi] >= 0
+            if read.any():
+                rows = np.flatnonzero(node.key >= 0)[tokens[lo:hi][read] - start]
+                _count_reads(node, rows, positions[lo:hi][read], delta)
+                self._changed(node, reads=True)
 
     def _count_node(self, node: TreeNode, terminal: np.ndarray, delta: int) -> int:
         """Count the reads of ``node``'s tokens, the last entries of ``terminal``; returns how many
@@ -529,6 +556,7 @@ class RadixTree:
         upper.last_access = node.last_access
         parent.children[int(upper.key[0])] = upper
         node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
+        node.n_tokens -= upper.n_tokens
         node.read_pos, node.read_cnt = node.read_pos[at:], node.read_cnt[at:]
         self._changed(node)
         self._changed(upper)
