@@ -14,9 +14,9 @@ versions no request references are released.
 
 Each node counts, per token record, the recorded paths below it that read the token and at which
 positions (``read_pos``/``read_cnt``); a path end adds itself along its path when it is recorded
-and takes itself back when it stops being a leaf or is pruned (a new leaf whose terminal extends
-its parent's only adds its own), so ranking costs O(path) per publication and O(nodes touched
-since) per eviction, never a walk of every path.
+and takes itself back when it stops being a leaf or is pruned (a new leaf under a former path end
+adds its own reads and, along the path above, only the reads its terminal changed), so ranking costs
+at most O(path) per publication and O(nodes touched since) per eviction, never a walk of every path.
 """
 
 from __future__ import annotations
