@@ -21,6 +21,16 @@ only that turn, phase by phase: ``match_plan`` (key, tree match, plan), ``lock_c
 ``rounds`` (the one prefill round's prefix view, visibility row, birth binding, attention entries
 and copy jobs, as :func:`akv.system.adapter.batch_metadata.for_extend` builds them on the host), and
 ``publish`` (the finished request's KV into the tree). A fresh system message per trial, as there.
+
+``--agent TURNS`` measures instead one live-budget agent served turn by turn on one tree (issue #30's
+shape, what the browse replay with a live budget does): every turn appends a call (60 tokens) and a
+tool result (about 2,300), and once the live tokens pass ``--live-budget`` (20k) the turn drops the
+oldest kept results until it fits again and repositions there, so the text grows without bound
+(110 turns: ~260k tokens, 200+ events) while the live part stays under the budget. Each turn goes
+through the adapter's request state as ``--next-turn`` does (match_plan, lock_commit, rounds,
+publish; the reply's one generated token is the next call's first), on a pool of ``--agent-pool``
+slots, so SGLang's allocation evicts through the tree (``evict``: its share, also inside
+lock_commit and rounds). Reported per turn, with the text and live length and the events.
 """
 
 from __future__ import annotations
@@ -246,6 +256,113 @@ def next_turn(core: CacheCore, rng: np.random.Generator, steps: int, repeats: in
     return {**shape, **{name: percentiles(seconds) for name, seconds in phases.items()}}
 
 
+AGENT_SIZES = {"system": 60, "user": 40, "call": 60, "result": 2300}
+"""Tokens per message of the live-budget agent (results vary by +-20%)."""
+
+
+def agent_messages(rng: np.random.Generator, turns: int) -> list[np.ndarray]:
+    """System, user, then ``turns`` (call, result) pairs, and one more call (the last reply's text)."""
+    n = AGENT_SIZES
+    sizes = [n["system"], n["user"]]
+    for _ in range(turns):
+        sizes += [n["call"], int(rng.integers(n["result"] * 4 // 5, n["result"] * 6 // 5))]
+    sizes.append(n["call"])
+    return [rng.integers(0, VOCAB, size=size) for size in sizes]
+
+
+def agent(rng: np.random.Generator, turns: int, budget: int, pool_size: int) -> dict[str, Any]:
+    """The live-budget agent's turns (module docstring), each timed phase by phase."""
+    from akv.system.adapter.context_request import AkvRequest
+    from akv.system.adapter.extend_entries import EntryLists, add_layer_jobs, context_round
+    from akv.system.adapter.scheduling import ADMISSION_SLACK
+
+    evict_seconds = [0.0]
+
+    def evict(n: int) -> None:
+        start = CLOCK()
+        core.tree.evict(n - core.pool.n_free)
+        evict_seconds[0] += CLOCK() - start
+
+    core = CacheCore(SlotPool(pool_size), evict=evict)
+    free = core.pool._free_list
+
+    def take(n: int) -> np.ndarray:  # SGLang's allocator: evict through the tree when short
+        if n > core.pool.n_free:
+            core._evict(n)
+        return free.take(n)
+
+    messages = agent_messages(rng, turns)
+    sizes = [m.size for m in messages]
+    drops: dict[str, list[int]] = {}
+    repositions: list[int] = []
+    dropped: set[int] = set()
+    rows = []
+    for turn in range(turns):
+        last = 3 + 2 * turn  # this turn's result
+        live = sum(sizes[m] for m in range(last + 1) if m not in dropped)
+        victims = []
+        for m in range(3, last, 2):
+            if live <= budget:
+                break
+            if m not in dropped:
+                victims.append(m)
+                live -= sizes[m]
+        if victims:
+            drops[str(last)] = victims
+            dropped.update(victims)
+            repositions.append(last)
+        ids = np.concatenate(messages[: last + 1])
+        owners = np.repeat(np.arange(last + 1), sizes[: last + 1])
+        program = compile_program(ids, owners, parse_rules(drops or None, repositions or None, last + 1), last + 1)
+        state = AkvRequest(program)
+        evict_seconds[0] = 0.0
+        times = {}
+        start = CLOCK()
+        state.plan_draft(core, room=core.pool.size - program.n_tokens - ADMISSION_SLACK)  # as scheduling.attach
+        times["match_plan"] = CLOCK() - start
+        start = CLOCK()
+        state.lock(core)
+        state.commit(core)
+        times["lock_commit"] = CLOCK() - start
+        assert state.active is not None
+        lo, n = state.first_start, program.n_tokens
+        computed = lo + np.flatnonzero(state.active.plan.computed[lo:])
+        births = take(computed.size)
+        start = CLOCK()
+        state.prefix_view(lo)
+        state.visibility_row(n + 1)  # the columns it reads
+        core.bind_births(state.active, computed, births)
+        entries, levels = EntryLists(), []
+        add_layer_jobs(levels, context_round(entries, state, lo, n)[1])
+        entries.build("cpu")
+        times["rounds"] = CLOCK() - start
+        generated = take(1)
+        core.pool.adopt(generated)
+        start = CLOCK()
+        state.release(core, messages[last + 1][:1], generated, publish=True)
+        times["publish"] = CLOCK() - start
+        times["evict"] = evict_seconds[0]
+        times["total"] = sum(v for k, v in times.items() if k != "evict")
+        usage = state.first_usage
+        rows.append({"turn": turn, "text_tokens": n, "live_tokens": int(np.count_nonzero(program.keep)),
+                     "events": len(program.events), "computed_tokens": usage.computed_tokens,
+                     "repositioned_tokens": usage.repos_tokens,
+                     **{f"{k}_ms": round(v * 1e3, 3) for k, v in times.items()}})
+    return {"turns": rows, "by_text": agent_summary(rows), "tree": core.tree.stats()}
+
+
+def agent_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median phase times per 50k-token band of text (turns past the first band only)."""
+    out = []
+    for lo in range(0, max(r["text_tokens"] for r in rows) + 1, 50_000):
+        band = [r for r in rows if lo <= r["text_tokens"] < lo + 50_000]
+        if band:
+            out.append({"text_from": lo, "turns": len(band), **{
+                k: round(float(np.median([r[k] for r in band])), 3)
+                for k in band[0] if k.endswith("_ms")}})
+    return out
+
+
 def main() -> None:
     parser = cli.parser(None, __doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=1000)
@@ -259,6 +376,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="warm long-context admissions (or next turns) timed")
     parser.add_argument("--next-turn", type=int, nargs="+", default=None, metavar="STEPS",
                         help="measure bench/next_turn.py's next turn of these sizes instead (module docstring)")
+    parser.add_argument("--agent", type=int, default=None, metavar="TURNS",
+                        help="measure the live-budget agent of this many turns instead (module docstring)")
+    parser.add_argument("--live-budget", type=int, default=20_000)
+    parser.add_argument("--agent-pool", type=int, default=400_000, help="pool slots of --agent")
     parser.add_argument("--out", type=cli.new_file, default=None, help="also write the result to this new file")
     args = parser.parse_args()
     global CLOCK
@@ -266,6 +387,10 @@ def main() -> None:
 
     head = results.header("bench/cache_core.py")  # before the work: the load average at the start
     rng = np.random.default_rng(args.seed)
+    if args.agent:
+        results.show({**head, "clock": args.clock, "live_budget": args.live_budget, "pool": args.agent_pool,
+                      "agent": agent(rng, args.agent, args.live_budget, args.agent_pool)}, args.out)
+        return
     if args.next_turn:
         core = CacheCore(SlotPool(3 * 130_000 * max(args.next_turn) // 113 + 100_000))
         results.show({**head, "clock": args.clock, "next_turn": {

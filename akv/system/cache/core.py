@@ -119,7 +119,7 @@ class CacheCore:
         """Whether ``draft`` is still what :meth:`match` would plan: nothing on its tree path changed
         in a way that could change its match or the versions it rotates in place
         (:meth:`akv.system.cache.tree.RadixTree.unchanged`)."""
-        return self.tree.unchanged(draft.mark, draft.plan.taken)
+        return self.tree.unchanged(draft.mark, draft.key.token_record[draft.plan.taken_tokens])
 
     def resident(self, key: RecordKey) -> MatchResult:
         """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
@@ -183,7 +183,7 @@ class CacheCore:
                 self.pool.decref(borrowed)
             raise
         if taken.size:
-            self.tree.take(draft.key, taken)
+            self.tree.take(draft.key, draft.plan.taken_tokens, taken)
         copies = fresh[: draft.n_copy_slots]
         plan = draft.plan.bind_copies(copies, fresh[draft.n_copy_slots :] if with_births else None)
         births = np.full(draft.program.n_tokens, -1, dtype=np.int64)
@@ -291,11 +291,13 @@ def _own_versions(program: ContextProgram, plan: RequestPlan, generated_slots: n
     n = program.n_tokens
     terminal = plan.terminal
     tokens, positions, slots, kept = [], [], [], []
+    read_at_end = np.sort(terminal.slots)
     for job, births in [(s.copies, s) for s in plan.segments] + [(terminal.copies, None)]:
         tokens.append(job.tokens)
         positions.append(job.new_positions)
         slots.append(job.dst)
-        kept.append(np.isin(job.dst, terminal.slots))
+        at = np.minimum(np.searchsorted(read_at_end, job.dst), max(read_at_end.size - 1, 0))
+        kept.append(read_at_end[at] == job.dst if read_at_end.size else np.zeros(job.dst.size, dtype=bool))
         if births is not None:
             tokens.append(np.arange(births.start, births.end))
             positions.append(births.positions)

@@ -76,6 +76,8 @@ class DraftPlan:
     colors: np.ndarray
     taken: np.ndarray = field(default_factory=lambda: frozen(np.zeros(0, np.int64), np.int64))
     compact: bool = False
+    taken_tokens: np.ndarray = field(default_factory=lambda: frozen(np.zeros(0, np.int64), np.int64))
+    """The token whose version each of ``taken`` holds."""
 
     @property
     def n_births(self) -> int:
@@ -157,7 +159,7 @@ def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bo
         raise ValueError(f"match: {match.n_tokens} matched tokens exceed the program's {program.n_tokens}")
     resident = match.resident
     computed = needed_queries(program, resident)
-    table = _VersionTable(program, match, takeable, births_in_place and not compact)
+    table = _VersionTable(program, match, _read_tokens(program, computed), takeable, births_in_place and not compact)
     stages = StagePositions(program)
     segments = []
     for step, span in enumerate(segment_spans(program, computed)):
@@ -191,7 +193,17 @@ def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bo
     plan = RequestPlan(match, tuple(segments), terminal, table.borrowed(), frozen(np.zeros(0, np.int64), np.int64),
                        frozen(computed, bool), usage)
     colors, n_colors = recycle_slots(table.created(), table.last_use())
-    return DraftPlan(program.n_tokens, n_colors, plan, frozen(colors, np.int64), table.taken(), compact)
+    return DraftPlan(program.n_tokens, n_colors, plan, frozen(colors, np.int64), table.taken(), compact,
+                     table.taken_tokens())
+
+
+def _read_tokens(program: ContextProgram, computed: np.ndarray) -> np.ndarray:
+    """Every token the plan can read or write (ascending): those from the first computed one on,
+    those visible there (a later segment sees a subset) and the kept ones (generation reads them).
+    A token dropped before the first computed one is read by nothing."""
+    n = program.n_tokens
+    first = int(np.argmax(computed)) if computed.any() else n
+    return np.flatnonzero(program.keep | (program.visible_until > first) | (np.arange(n) >= first))
 
 
 def _terminal_as_last_segment(program: ContextProgram, segments: list[Segment], kept: np.ndarray,
@@ -275,24 +287,30 @@ def map_slots(plan: RequestPlan, fn: Callable[[np.ndarray], np.ndarray]) -> Requ
 
 
 class _VersionTable:
-    """The request's view of every token's versions: the tree's (from the match), then two of its
-    own per token: the birth version it computed and the latest copy it made. Positions only ever
-    decrease from stage to stage, so an older copy is never read again by a later step."""
+    """The request's view of the versions of every token it reads (``tokens``, ascending; row ``i``
+    is ``tokens[i]``): the tree's (from the match), then two of its own per token: the birth version
+    it computed and the latest copy it made. Positions only ever decrease from stage to stage, so an
+    older copy is never read again by a later step."""
 
-    def __init__(self, program: ContextProgram, match: MatchResult,
+    def __init__(self, program: ContextProgram, match: MatchResult, tokens: np.ndarray,
                  takeable: Callable[[np.ndarray], np.ndarray] | None = None,
                  births_in_place: bool = False) -> None:
         n, m = program.n_tokens, match.n_tokens
         tree_width = match.slots.shape[1]
         self.birth_col, self.copy_col = tree_width, tree_width + 1
-        self.slots = np.full((n, tree_width + 2), _EMPTY, dtype=np.int64)
+        self._row = np.full(n, _EMPTY, dtype=np.int64)
+        self._row[tokens] = np.arange(tokens.size)
+        matched = tokens[: int(np.searchsorted(tokens, m))]
+        self.slots = np.full((tokens.size, tree_width + 2), _EMPTY, dtype=np.int64)
         self.positions = np.full_like(self.slots, _EMPTY)
         for j in range(tree_width):  # column by column: a strided block copy is ~4x slower
-            self.slots[:m, j] = match.slots[:, j]
-            self.positions[:m, j] = np.where(match.slots[:, j] >= 0, match.positions[:, j], _EMPTY)
+            column = match.slots[matched, j]
+            self.slots[: matched.size, j] = column
+            self.positions[: matched.size, j] = np.where(column >= 0, match.positions[matched, j], _EMPTY)
         self.used = np.zeros(self.slots.shape, dtype=bool)
         self.takeable = takeable if m else None
         self._taken: list[np.ndarray] = []
+        self._taken_tokens: list[np.ndarray] = []
         self.births_in_place = births_in_place
         self.read = np.zeros(n, dtype=bool)
         self.rerotated = np.zeros(n, dtype=bool)
@@ -314,6 +332,13 @@ class _VersionTable:
         self._n_fresh = end
         return -self._offset - np.arange(start, end, dtype=np.int64)
 
+    def rows(self, tokens: np.ndarray) -> np.ndarray:
+        """Table rows of ``tokens``."""
+        rows = self._row[tokens]
+        if rows.size and rows.min() < 0:
+            raise PlanningError(f"token {int(tokens[rows < 0][0])} is read but was not listed as read")
+        return rows
+
     def created(self) -> np.ndarray:
         return self._created[: self._n_fresh]
 
@@ -329,16 +354,20 @@ class _VersionTable:
         if not self.birth_col or not tokens.size:
             return self._resolve(tokens, positions, step, pinned)
         # tokens are ascending and distinct: a run of consecutive tokens is read through views
-        rows = slice(int(tokens[0]), int(tokens[-1]) + 1) if tokens[-1] - tokens[0] + 1 == tokens.size else tokens
+        lo, hi = int(self._row[tokens[0]]), int(self._row[tokens[-1]])
+        if tokens[-1] - tokens[0] + 1 == tokens.size and lo >= 0 and hi - lo + 1 == tokens.size:
+            rows: slice | np.ndarray = slice(lo, hi + 1)
+        else:
+            rows = self.rows(tokens)
         first = self.positions[rows, 0] == positions
         if not first.any():
             return self._resolve(tokens, positions, step, pinned)
         out = self.slots[rows, 0].copy() if isinstance(rows, slice) else self.slots[rows, 0]
         if isinstance(rows, slice):
             self.used[rows, 0] |= first
-            self.read[rows] |= first
+            self.read[int(tokens[0]) : int(tokens[-1]) + 1] |= first
         else:
-            self.used[tokens[first], 0] = True
+            self.used[rows[first], 0] = True
             self.read[tokens[first]] = True
         rest = np.flatnonzero(~first)
         job = CopyJob(*(frozen(np.zeros(0, np.int64), np.int64),) * 5)
@@ -349,7 +378,8 @@ class _VersionTable:
     def _resolve(self, tokens: np.ndarray, positions: np.ndarray, step: int,
                  pinned: bool) -> tuple[np.ndarray, CopyJob]:
         """:meth:`resolve` over every version of each token."""
-        slots, held = np.take(self.slots, tokens, axis=0), np.take(self.positions, tokens, axis=0)
+        rows = self.rows(tokens)
+        slots, held = np.take(self.slots, rows, axis=0), np.take(self.positions, rows, axis=0)
         exact = held == positions[:, None]  # an empty cell holds position -1, never read
         found, col = first_true(exact)
         width = slots.shape[1]
@@ -358,30 +388,30 @@ class _VersionTable:
             cell = np.arange(tokens.size) * width + col
             out = np.where(found, np.take(slots.reshape(-1), cell), _EMPTY)
             hit = np.flatnonzero(found)
-            self.used.reshape(-1)[tokens[hit] * width + col[hit]] = True
+            self.used.reshape(-1)[rows[hit] * width + col[hit]] = True
             self.rerotated[tokens[hit]] |= col[hit] == self.copy_col
             self._touch(out[hit], _FOREVER if pinned else step)
             miss = np.flatnonzero(~found)
-            need, slots, held, new = tokens[miss], slots[miss], held[miss], positions[miss]
+            need, need_rows, slots, held, new = tokens[miss], rows[miss], slots[miss], held[miss], positions[miss]
         else:  # every read needs a copy (a repositioned span): no row to pick out
             out, miss = np.empty(tokens.size, dtype=np.int64), slice(None)
-            need, new = tokens, positions
+            need, need_rows, new = tokens, rows, positions
         sources = slots != _EMPTY
         has_source, any_col = first_true(sources)
         if not has_source.all():
             raise PlanningError(f"token {int(need[~has_source][0])} is read but has no version to copy from")
         at_birth, birth_col = first_true(sources & (held == self.birth[need][:, None]))
         src_col = np.where(at_birth, birth_col, any_col)
-        rows = np.arange(need.size)
-        src = slots[rows, src_col]
-        old = held[rows, src_col]
+        index = np.arange(need.size)
+        src = slots[index, src_col]
+        old = held[index, src_col]
         taken = np.zeros(need.size, dtype=bool)
         if self.takeable is not None:  # tree versions no earlier step read
-            ask = np.flatnonzero((src_col < self.birth_col) & ~self.used[need, src_col])
+            ask = np.flatnonzero((src_col < self.birth_col) & ~self.used[need_rows, src_col])
             if ask.size:
                 taken[ask] = self.takeable(need[ask])[np.arange(ask.size), src_col[ask]]
         in_place = taken | ((src <= -2) & (src > -self._offset)) if self.births_in_place else taken  # own births
-        self.used[need, src_col] = True
+        self.used[need_rows, src_col] = True
         self._touch(src, step)
         if not in_place.any():
             dst = self.fresh(need.size, step, pinned=pinned)
@@ -392,18 +422,20 @@ class _VersionTable:
             dst[in_place] = src[in_place]
             if taken.any():
                 self._taken.append(src[taken])
-            self.slots[need[in_place], src_col[in_place]] = _EMPTY
-            self.positions[need[in_place], src_col[in_place]] = _EMPTY
-        self.slots[need, self.copy_col] = dst
-        self.positions[need, self.copy_col] = new
+                self._taken_tokens.append(need[taken])
+            self.slots[need_rows[in_place], src_col[in_place]] = _EMPTY
+            self.positions[need_rows[in_place], src_col[in_place]] = _EMPTY
+        self.slots[need_rows, self.copy_col] = dst
+        self.positions[need_rows, self.copy_col] = new
         self.rerotated[need] = True
         out[miss] = dst
         job = CopyJob(*(frozen(a, np.int64) for a in (need, src, dst, old, new)))
         return frozen(out, np.int64), job
 
     def add_births(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
-        self.slots[tokens, self.birth_col] = slots
-        self.positions[tokens, self.birth_col] = positions
+        rows = self.rows(tokens)
+        self.slots[rows, self.birth_col] = slots
+        self.positions[rows, self.birth_col] = positions
 
     def borrowed(self) -> np.ndarray:
         """Tree slots the plan reads or rotates in place."""
@@ -419,6 +451,10 @@ class _VersionTable:
     def taken(self) -> np.ndarray:
         """Tree slots the plan rotates in place."""
         return frozen(np.concatenate(self._taken) if self._taken else np.zeros(0, np.int64), np.int64)
+
+    def taken_tokens(self) -> np.ndarray:
+        """The token of each of :meth:`taken`."""
+        return frozen(np.concatenate(self._taken_tokens) if self._taken_tokens else np.zeros(0, np.int64), np.int64)
 
     def pin(self, slots: np.ndarray) -> None:
         """Generation reads ``slots``: the versions in them live to the end."""

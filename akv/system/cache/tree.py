@@ -14,9 +14,9 @@ versions no request references are released.
 
 Each node counts, per token record, the recorded paths below it that read the token and at which
 positions (``read_pos``/``read_cnt``); a path end adds itself along its path when it is recorded
-and takes itself back when it stops being a leaf or is pruned (a new leaf whose terminal extends
-its parent's only adds its own), so ranking costs O(path) per publication and O(nodes touched
-since) per eviction, never a walk of every path.
+and takes itself back when it stops being a leaf or is pruned (a new leaf under a former path end
+adds its own reads and, along the path above, only the reads its terminal changed), so ranking costs
+at most O(path) per publication and O(nodes touched since) per eviction, never a walk of every path.
 """
 
 from __future__ import annotations
@@ -60,12 +60,13 @@ class TreeNode:
     """One edge: ``key`` records with ``slots``/``positions`` arrays of shape (len, width);
     ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
-    __slots__ = ("key", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
+    __slots__ = ("key", "n_tokens", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
                  "last_access", "uid", "changes", "read_changes")
 
     def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
                  read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
         self.key = key
+        self.n_tokens = int(np.count_nonzero(key >= 0))  # its token records (the rest are events)
         self.slots = slots
         self.positions = positions
         self.read_pos = np.full((key.shape[0], 1), _EMPTY, dtype=np.int64) if read_pos is None else read_pos
@@ -152,21 +153,27 @@ class RadixTree:
         marks = tuple((node, common, node.changes, node.read_changes) for node, common in parts)
         return PathMark(key.namespace, root, marks, end, next_record)
 
-    def unchanged(self, mark: PathMark, taken: np.ndarray) -> bool:
+    def unchanged(self, mark: PathMark, taken_rows: np.ndarray) -> bool:
         """Whether a match of the key ``mark`` was taken for would find the same records and versions,
-        and a plan that rotates the versions ``taken`` in place may still do so: no node of its path was
-        split, pruned or had versions added or removed, no child continues it past its end, and, when
-        ``taken`` is not empty, neither the path's last node nor a node holding a taken version has
-        new readers (other read changes only mean that a plan made now might rotate more in place)."""
+        and a plan that rotates in place the versions of the key's records ``taken_rows`` may still
+        do so: no node of its path was split, pruned or had versions added or removed, no child
+        continues it past its end, and, when ``taken_rows`` is not empty, neither the path's last node
+        nor a node holding a taken version has new readers (other read changes only mean that a plan
+        made now might rotate more in place)."""
         if self._roots.get(mark.namespace) is not mark.root:
             return False
-        last = len(mark.parts) - 1
+        holding = None
         for i, (node, common, changes, read_changes) in enumerate(mark.parts):
             if not node.attached or node.changes != changes:
                 return False
-            if (node.read_changes != read_changes and taken.size
-                    and (i == last or np.isin(node.slots[:common], taken).any())):
-                return False
+            if node.read_changes != read_changes and taken_rows.size:
+                if holding is None:
+                    ends = np.cumsum([part[1] for part in mark.parts])
+                    holding = np.zeros(len(mark.parts), dtype=bool)
+                    holding[np.searchsorted(ends, taken_rows, side="right")] = True
+                    holding[-1] = True
+                if holding[i]:
+                    return False
         return mark.next_record is None or mark.next_record not in mark.end.children
 
     def exclusive(self, key: RecordKey, match: MatchResult, tokens: np.ndarray | None = None) -> np.ndarray:
@@ -203,21 +210,31 @@ class RadixTree:
             out[mine] = free[mine] & alone
         return out
 
-    def take(self, key: RecordKey, slots: np.ndarray) -> None:
-        """Give up the tree's versions held in ``slots`` (each a version of a token of ``key``'s
-        matched path; a request holds them and rotates them in place, publishing them again when
-        it finishes)."""
+    def take(self, key: RecordKey, tokens: np.ndarray, slots: np.ndarray) -> None:
+        """Give up the tree's versions held in ``slots``, ``slots[i]`` a version of matched token
+        ``tokens[i]`` of ``key`` (a request holds them and rotates them in place, publishing them
+        again when it finishes). Touches only the nodes holding them."""
         slots = np.asarray(slots, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64)
         if slots.size == 0:
             return
+        if tokens.shape != slots.shape:
+            raise TreeError(f"tokens: shape {tokens.shape} does not match slots {slots.shape}")
+        parts = self._path(key)
+        rows = key.token_record[tokens]
+        starts = np.cumsum([0] + [common for _, common in parts])
+        which = np.searchsorted(starts, rows, side="right") - 1
         found = 0
-        for node, common in self._path(key):
-            cells = np.isin(node.slots[:common], slots)
-            if cells.any():
-                found += int(np.count_nonzero(cells))
-                node.slots[:common][cells] = _EMPTY
-                node.positions[:common][cells] = _EMPTY
-                self._changed(node)
+        for p in np.unique(which[which < len(parts)]).tolist():
+            node, common = parts[p]
+            mine = np.flatnonzero(which == p)
+            local = rows[mine] - starts[p]
+            cells = node.slots[local] == slots[mine, None]
+            hit = cells.any(axis=1)
+            found += int(np.count_nonzero(hit))
+            node.slots[local[hit]] = np.where(cells[hit], _EMPTY, node.slots[local[hit]])
+            node.positions[local[hit]] = np.where(cells[hit], _EMPTY, node.positions[local[hit]])
+            self._changed(node)
         if found != slots.size:
             raise TreeError(f"slots: {slots.size - found} of the {slots.size} slots to take are not on the key's path")
         self.pool.tree_decref(slots)
@@ -261,34 +278,36 @@ class RadixTree:
             raise TreeError(f"terminal: expected shape ({n},), got {terminal.shape}")
         n_rec = key.records.shape[0]
         positions = np.where(slots >= 0, positions, _EMPTY)
-        if n_rec == n:  # no event records: token t is record t
-            rec_slots, rec_positions = slots, positions
-        else:
-            rec_slots = _spread(slots, key.token_record, n_rec)
-            rec_positions = _spread(positions, key.token_record, n_rec)
+        given = np.flatnonzero(slots[:, 0] >= 0 if slots.shape[1] == 1 else (slots >= 0).any(axis=1))
+        given_records = key.token_record[given]
+        resident = slots.copy()
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
-        resident = []
         i = 0
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
             if child is None:
-                child, own = self._new_leaf(node, key.records[i:].copy(), rec_slots[i:], rec_positions[i:])
-                resident.append(own)
+                t = int(np.searchsorted(key.token_record, i))
+                records = key.token_record[t:] - i
+                child, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[t:], records, n_rec - i),
+                                            _spread(positions[t:], records, n_rec - i))
+                resident[t:] = np.take(own, records, axis=0)
                 common = n_rec - i
             else:
                 common = _common_prefix(child.key, key.records[i:])
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
-                resident.append(self._merge(child, rec_slots[i : i + common], rec_positions[i : i + common]))
+                lo, hi = np.searchsorted(given_records, [i, i + common]).tolist()
+                if hi > lo:  # only the rows given a version are read (as slices where they are a run)
+                    rows, records = _span(given[lo:hi], given_records[lo:hi] - i)
+                    resident[rows] = self._merge(child, records, slots[rows], positions[rows])
             self._touch(child, stamp)
             i += common
             node = child
         if n_rec and not node.children:
             self._end_path(node, np.asarray(terminal, dtype=np.int64))
-        out = np.concatenate(resident) if resident else rec_slots
-        return out if n_rec == n else np.take(out, key.token_record, axis=0)  # not out[...]: ~10x slower on rows
+        return resident
 
     def evict(self, n_slots: int) -> int:
         """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
@@ -369,11 +388,15 @@ class RadixTree:
         assert parent is not None
         old = parent.terminal
         if old is not None:
-            if leaf.terminal is None and np.array_equal(terminal[: old.size], old):
+            if leaf.terminal is None:
                 parent.terminal = None
                 leaf.terminal = terminal.copy()
                 parent.read_changes += 1
                 leaf.read_changes += 1
+                changed = np.flatnonzero(terminal[: old.size] != old)
+                if changed.size:  # the path above reads some tokens elsewhere now: count only those
+                    self._count_changes(parent, changed, old[changed], -1)
+                    self._count_changes(parent, changed, terminal[changed], 1)
                 self._count_node(leaf, terminal[old.size :], 1)
                 return
             self._forget_end(parent)
@@ -404,6 +427,28 @@ class RadixTree:
         while node is not None and node.attached:
             stop -= self._count_node(node, terminal[: stop], delta)
             node = node.parent
+
+    def _count_changes(self, end: TreeNode, tokens: np.ndarray, positions: np.ndarray, delta: int) -> None:
+        """Add ``delta`` to the reads of path tokens ``tokens`` (ascending) at ``positions`` (-1: not
+        read), on the path ending at ``end``; visits only the nodes holding them."""
+        stop = 0  # tokens of the path from the root to the current node's end
+        node: TreeNode | None = end
+        nodes = []
+        while node is not None and node.attached:
+            nodes.append(node)
+            stop += node.n_tokens
+            node = node.parent
+        for node in nodes:
+            start = stop - node.n_tokens
+            lo, hi = np.searchsorted(tokens, [start, stop]).tolist()
+            stop = start
+            if hi == lo:
+                continue
+            read = positions[lo:hi] >= 0
+            if read.any():
+                rows = np.flatnonzero(node.key >= 0)[tokens[lo:hi][read] - start]
+                _count_reads(node, rows, positions[lo:hi][read], delta)
+                self._changed(node, reads=True)
 
     def _count_node(self, node: TreeNode, terminal: np.ndarray, delta: int) -> int:
         """Count the reads of ``node``'s tokens, the last entries of ``terminal``; returns how many
@@ -494,7 +539,7 @@ class RadixTree:
         parent.children[int(key[0])] = node
         self._n_nodes += 1
         if slots.shape[1] > 1:
-            return node, self._merge(node, slots, positions)
+            return node, self._merge(node, slice(0, key.shape[0]), slots, positions)
         held = slots[:, 0] >= 0
         if held.any():
             self.pool.tree_incref(slots[:, 0][held])
@@ -511,6 +556,7 @@ class RadixTree:
         upper.last_access = node.last_access
         parent.children[int(upper.key[0])] = upper
         node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
+        node.n_tokens -= upper.n_tokens
         node.read_pos, node.read_cnt = node.read_pos[at:], node.read_cnt[at:]
         self._changed(node)
         self._changed(upper)
@@ -519,29 +565,33 @@ class RadixTree:
         self._n_nodes += 1
         return upper
 
-    def _merge(self, node: TreeNode, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Add the versions ``node`` lacks; returns the slot resident for each given one."""
+    def _merge(self, node: TreeNode, rows: np.ndarray | slice, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Add the versions ``slots[i, j]`` at ``positions[i, j]`` (-1: none) of the node's records
+        ``rows[i]`` (an index or a slice) that it lacks; returns the slot resident for each given one.
+        Reads only those rows (a publication adds a few versions to a long path)."""
         resident = slots.copy()
+        index = np.arange(slots.shape[0])
+        if isinstance(rows, slice):
+            rows_index = index + rows.start
+        else:
+            rows_index = rows
         for j in range(slots.shape[1]):
-            same = (node.positions == positions[:, j, None]) & (node.slots >= 0)
-            duplicate, at = first_true(same)
-            if node.slots.shape[1] == 1:  # the one version a row holds is the duplicate
-                resident[:, j] = np.where(duplicate, node.slots[:, 0], resident[:, j])
-            elif duplicate.any():
-                rows = np.flatnonzero(duplicate)
-                resident[rows, j] = node.slots[rows, at[rows]]
+            held_slots, held_positions = node.slots[rows], node.positions[rows]
+            duplicate, at = first_true((held_positions == positions[:, j, None]) & (held_slots >= 0))
+            if duplicate.any():
+                resident[index[duplicate], j] = held_slots[index[duplicate], at[duplicate]]
             add = (slots[:, j] >= 0) & ~duplicate
             if not add.any():
                 continue
-            rows = np.flatnonzero(add)
-            has_free, cols = first_true(node.slots[rows] < 0)
+            target = rows_index[add]
+            has_free, cols = first_true(node.slots[target] < 0)
             if not has_free.all():
                 node.slots = _widen(node.slots)
                 node.positions = _widen(node.positions)
-                cols = first_true(node.slots[rows] < 0)[1]
-            node.slots[rows, cols] = slots[rows, j]
-            node.positions[rows, cols] = positions[rows, j]
-            self.pool.tree_incref(slots[rows, j])
+                cols = first_true(node.slots[target] < 0)[1]
+            node.slots[target, cols] = slots[add, j]
+            node.positions[target, cols] = positions[add, j]
+            self.pool.tree_incref(slots[add, j])
             self._changed(node)
         return resident
 
@@ -606,13 +656,33 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def _gather(parts: list[tuple[TreeNode, int]], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Versions of the records ``rows`` (ascending, within the matched records of ``parts``), each
+    node's rows written once into the padded result."""
     width = max((node.slots.shape[1] for node, _ in parts), default=1)
-    slots = [_pad(node.slots[:common], width) for node, common in parts]
-    positions = [_pad(node.positions[:common], width) for node, common in parts]
-    if not slots:
-        empty = np.zeros((0, width), dtype=np.int64)
-        return empty, empty.copy()
-    return np.take(np.concatenate(slots), rows, axis=0), np.take(np.concatenate(positions), rows, axis=0)
+    slots = np.full((rows.size, width), _EMPTY, dtype=np.int64)
+    positions = np.full((rows.size, width), _EMPTY, dtype=np.int64)
+    start = 0
+    for node, common in parts:
+        lo, hi = np.searchsorted(rows, [start, start + common]).tolist()
+        if hi > lo:
+            local = rows[lo:hi] - start
+            first, last = int(local[0]), int(local[-1])
+            index = slice(first, last + 1) if last - first + 1 == hi - lo else local
+            w = node.slots.shape[1]
+            slots[lo:hi, :w] = node.slots[index]
+            positions[lo:hi, :w] = node.positions[index]
+        start += common
+    return slots, positions
+
+
+def _span(tokens: np.ndarray, records: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | slice]:
+    """Token rows and node records of the versions given to one node (ascending, in step), as the
+    slices spanning them when no event record lies between them and they fill at least a quarter
+    of the span (rows between hold no version, so the merge skips them), else as they are."""
+    n_tokens = int(tokens[-1]) - int(tokens[0]) + 1
+    if n_tokens == int(records[-1]) - int(records[0]) + 1 and 4 * tokens.size >= n_tokens:
+        return slice(int(tokens[0]), int(tokens[-1]) + 1), slice(int(records[0]), int(records[-1]) + 1)
+    return tokens, records
 
 
 def _spread(values: np.ndarray, token_record: np.ndarray, n_records: int) -> np.ndarray:
@@ -621,12 +691,6 @@ def _spread(values: np.ndarray, token_record: np.ndarray, n_records: int) -> np.
     index = np.full(n_records, values.shape[0], dtype=np.int64)
     index[token_record] = np.arange(values.shape[0])
     return np.take(np.concatenate([values, np.full((1, values.shape[1]), _EMPTY, dtype=values.dtype)]), index, axis=0)
-
-
-def _pad(arr: np.ndarray, width: int) -> np.ndarray:
-    if arr.shape[1] == width:
-        return arr
-    return np.pad(arr, ((0, 0), (0, width - arr.shape[1])), constant_values=_EMPTY)
 
 
 def _widen(arr: np.ndarray) -> np.ndarray:
