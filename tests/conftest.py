@@ -57,8 +57,8 @@ def patched_site(patched: _build.BuildResult) -> Path:
 
 
 # The files that took longest in a whole-suite run (tests/README.md), longest first.
-_LONGEST = ("sglang_cpu/test_demo_models.py", "sglang_cpu/test_scheduler.py", "bench/test_soak_dry_run.py",
-            "sglang_cpu/test_models.py")
+_LONGEST = ("sglang_cpu/test_demo_models.py", "sglang_cpu/test_scheduler.py", "bench/test_replay_sglang_cpu.py",
+            "bench/test_pd_check_dry_run.py", "bench/test_soak_dry_run.py", "sglang_cpu/test_models.py")
 
 
 def _file_rank(item: pytest.Item, slow_files: set[Path]) -> int:
