@@ -68,10 +68,11 @@ PAIR_TURNS = [
     ("later-drop", {"drop_message": {"4": [3], "5": [1, 2]}, "reposition": [4]}),
     ("drop-only-streamed", {"drop_message": {"4": [3]}, "stream": True, "stream_options": {"include_usage": True}}),
     ("drop-and-repos-again", {"drop_message": {"4": [3]}, "reposition": [4]}),
+    # anchored at the last message: re-rotations just before the generation prompt's tokens
     ("repos-at-the-end", {"drop_message": {"5": [3]}, "reposition": [5]}),
     ("repos-at-the-end-again", {"drop_message": {"5": [3]}, "reposition": [5]}),
 ]
-"""tests/sglang_cpu/test_pd_pair.py's turns (its test checks they are the same)."""
+"""The turns of the matrix's record chain; tests/sglang_cpu/test_pd_pair.py serves the same ones."""
 USAGE = ("prompt_tokens", "completion_tokens", "prompt_tokens_details")
 """The usage fields a streamed turn must report as the single server does."""
 ENGINE_METRICS = {"MC_TE_METRIC": "1", "MC_TE_METRIC_INTERVAL_SECONDS": "1"}

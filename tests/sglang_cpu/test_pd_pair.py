@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from akv.system import _build
+from bench import pd_check
 
 from .conftest import STRICT, Server, free_port, healthy_workers, patched_servers
 from .mooncake_cpu import MooncakeCpu, prepare
@@ -39,25 +40,7 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MESSAGES = [
-    {"role": "system", "content": "You follow record chains."},
-    {"role": "user", "content": "Read record A and follow it."},
-    {"role": "assistant", "content": "Reading A."},
-    {"role": "user", "content": "Record A: shipment 7 left the depot; see record B for the next leg."},
-    {"role": "assistant", "content": "Reading B."},
-    {"role": "user", "content": "Record B: the shipment arrived; the chain ends here."},
-]
-TURNS = [
-    ("plain", {}),
-    ("drop-and-repos", {"drop_message": {"4": [3]}, "reposition": [4]}),
-    ("drop-only", {"drop_message": {"4": [3]}}),
-    ("later-drop", {"drop_message": {"4": [3], "5": [1, 2]}, "reposition": [4]}),
-    ("drop-only-streamed", {"drop_message": {"4": [3]}, "stream": True, "stream_options": {"include_usage": True}}),
-    ("drop-and-repos-again", {"drop_message": {"4": [3]}, "reposition": [4]}),
-    # anchored at the last message: re-rotations just before the generation prompt's tokens
-    ("repos-at-the-end", {"drop_message": {"5": [3]}, "reposition": [5]}),
-    ("repos-at-the-end-again", {"drop_message": {"5": [3]}, "reposition": [5]}),
-]
+MESSAGES, TURNS = pd_check.MESSAGES, pd_check.PAIR_TURNS
 
 
 @pytest.fixture(scope="module")
