@@ -1,4 +1,5 @@
-"""Read-only numpy arrays, the form plan and program objects hold; row-wise search of narrow masks."""
+"""Read-only numpy arrays, the form plan and program objects hold; row-wise search of narrow masks;
+membership in a sorted array."""
 
 from __future__ import annotations
 
@@ -23,3 +24,12 @@ def first_true(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         col[column] = j
         found |= column
     return found, col
+
+
+def in_sorted(sorted_values: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``np.isin(x, sorted_values)`` for an ascending ``sorted_values``: one binary search per entry,
+    so a caller testing many arrays against one set sorts it once."""
+    if sorted_values.size == 0:
+        return np.zeros(np.shape(x), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_values, x), sorted_values.size - 1)
+    return sorted_values[at] == x

@@ -102,3 +102,12 @@ def test_first_true_is_any_and_argmax_along_rows(rows: int, width: int, seed: in
     found, col = first_true(mask)
     assert found.tolist() == mask.any(axis=1).tolist()
     assert col.tolist() == (mask.argmax(axis=1).tolist() if width else [0] * rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 20), max_size=12), st.lists(st.integers(-3, 20), max_size=12))
+def test_in_sorted_is_isin(values: list[int], x: list[int]) -> None:
+    from akv.system.arrays import in_sorted
+
+    sorted_values, probe = np.sort(np.asarray(values, dtype=np.int64)), np.asarray(x, dtype=np.int64)
+    assert in_sorted(sorted_values, probe).tolist() == np.isin(probe, sorted_values).tolist()

@@ -26,7 +26,7 @@ from functools import partial
 
 import numpy as np
 
-from akv.system.arrays import frozen
+from akv.system.arrays import frozen, in_sorted
 from akv.system.cache.keys import RecordKey, program_key
 from akv.system.cache.occurrence import DraftPlan, bind_births, plan_occurrences
 from akv.system.cache.plan import MatchResult, RequestPlan
@@ -253,7 +253,7 @@ class CacheCore:
         self._check_active(request)
         plan = request.resolved_plan()
         self._take(request)
-        tokens, positions, version_slots = _own_versions(request.program, plan, slots, request)
+        tokens, positions, version_slots = _own_versions(request, plan, slots)
         n = request.program.n_tokens + ids.size
         table_slots, table_positions = _as_table(n, tokens, positions, version_slots)
         terminal = np.concatenate([request.program.final_position, request.program.next_position + np.arange(ids.size)])
@@ -282,12 +282,13 @@ class CacheCore:
         self.pool.decref(np.concatenate([request.plan.borrowed, request.plan.fresh, births, generated_slots]))
 
 
-def _own_versions(program: ContextProgram, plan: RequestPlan, generated_slots: np.ndarray,
-                  request: ActiveRequest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _own_versions(request: ActiveRequest, plan: RequestPlan,
+                  generated_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(token, position, slot) of every version the request publishes: its births and the versions
     it made (copied, or rotated in place) that generation reads, and generated KV; each slot with
     what it holds at the end, its last write (copies only earlier steps read are historical, and a
     recycled slot holds only its last version); not a freed birth's slot while it holds that birth."""
+    program = request.program
     n = program.n_tokens
     terminal = plan.terminal
     tokens, positions, slots, kept = [], [], [], []
@@ -296,8 +297,7 @@ def _own_versions(program: ContextProgram, plan: RequestPlan, generated_slots: n
         tokens.append(job.tokens)
         positions.append(job.new_positions)
         slots.append(job.dst)
-        at = np.minimum(np.searchsorted(read_at_end, job.dst), max(read_at_end.size - 1, 0))
-        kept.append(read_at_end[at] == job.dst if read_at_end.size else np.zeros(job.dst.size, dtype=bool))
+        kept.append(in_sorted(read_at_end, job.dst))
         if births is not None:
             tokens.append(np.arange(births.start, births.end))
             positions.append(births.positions)

@@ -22,8 +22,8 @@ def count_usage(n_prompt: int, resident: np.ndarray, computed: np.ndarray, read:
     read, rerotated = read[:n_prompt], rerotated[:n_prompt]
     reused = resident & ~computed & read
     return Usage(
-        cached_tokens=int(np.count_nonzero((reused & ~rerotated))),
-        repos_tokens=int(np.count_nonzero((reused & rerotated))),
+        cached_tokens=int(np.count_nonzero(reused & ~rerotated)),
+        repos_tokens=int(np.count_nonzero(reused & rerotated)),
         drop_skipped_tokens=int(np.count_nonzero(dropped[:n_prompt])),
         computed_tokens=int(np.count_nonzero(computed)),
     )
