@@ -66,7 +66,6 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,7 +78,7 @@ from bench import serve_replay  # noqa: E402
 from bench.agent_replay.methods import FullContext  # noqa: E402
 from bench.agent_replay.serve import prepare, replay  # noqa: E402
 from bench.agent_replay.suite_report import GOALS, best, markdown, ratios, router_ratios, svg  # noqa: E402
-from bench.harness import results, servers  # noqa: E402
+from bench.harness import client, results, servers  # noqa: E402
 from bench.harness.models import QWEN3_8B_SHAPE  # noqa: E402
 from bench.harness.servers import Server, free_port, free_port_pair  # noqa: E402
 
@@ -328,15 +327,6 @@ def make_router(args: argparse.Namespace, policy: str, workers: list[Server]) ->
                   {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}, port, args.logs / f"router-{policy}.log")
 
 
-def healthy_workers(router: str) -> int:
-    """How many workers smg at ``router`` reports healthy (0 while it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"{router}/workers", timeout=5) as response:
-            return sum(bool(w.get("is_healthy")) for w in json.loads(response.read())["workers"])
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
 # ------------------------------------------------------------------------------ replay ---
 
 
@@ -437,7 +427,7 @@ class Suite:
     def router_ready(self, router: Server, workers: list[Server]) -> bool:
         """Wait until smg at ``router`` reports every worker healthy; False (noted) on failure."""
         deadline = time.time() + self.args.ready_timeout
-        while healthy_workers(router.url) < len(workers):
+        while client.healthy_workers(router.url) < len(workers):
             if router.process.poll() is not None or time.time() > deadline:
                 tail = router.log_path.read_text()[-1500:] if router.log_path.exists() else ""
                 router.stop()

@@ -129,3 +129,12 @@ def wait_idle(url: str, timeout: float = 60.0) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"{url} still busy after {timeout:.0f} s")
+
+
+def healthy_workers(router: str, timeout: float = 5.0) -> int:
+    """How many workers the router (smg) at ``router`` reports healthy; 0 while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{router}/workers", timeout=timeout) as response:
+            return sum(bool(w.get("is_healthy")) for w in json.loads(response.read())["workers"])
+    except (OSError, ValueError, KeyError):
+        return 0

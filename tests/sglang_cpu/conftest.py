@@ -129,15 +129,6 @@ def patched_servers(site: Path, model: Path, log_dir: Path, count: int = 1, args
         yield servers
 
 
-def healthy_workers(router: str) -> int:
-    """How many workers a router (smg) at ``router`` reports healthy; 0 while it does not answer."""
-    try:
-        with urllib.request.urlopen(f"{router}/workers", timeout=5) as response:
-            return sum(bool(w.get("is_healthy")) for w in json.loads(response.read())["workers"])
-    except OSError:
-        return 0
-
-
 def _stop(server: Server) -> None:
     server.kill(15)
     try:

@@ -31,8 +31,9 @@ import pytest
 
 from akv.system import _build
 from bench import pd_check
+from bench.harness.client import healthy_workers
 
-from .conftest import STRICT, Server, free_port, healthy_workers, patched_servers
+from .conftest import STRICT, Server, free_port, patched_servers
 from .mooncake_cpu import MooncakeCpu, prepare
 from http_client import post_text
 

@@ -26,8 +26,9 @@ import pytest
 
 from akv.agent import ROUTING_HEADER, routing_key
 from akv.system.reference_server import Engine, ReferenceServer
+from bench.harness.client import healthy_workers
 
-from .conftest import ROOT, Server, free_port, healthy_workers, patched_servers
+from .conftest import ROOT, Server, free_port, patched_servers
 from .test_http import post
 from http_client import exchange
 
