@@ -128,7 +128,7 @@ class Audit:
         if request.freed.any():  # births recycled mid-request: a replay at the end cannot reuse their slots
             from akv.system.cache.core import _own_versions
 
-            tokens, positions, held = _own_versions(request.program, plan, self.np.zeros(0, "int64"), request)
+            tokens, positions, held = _own_versions(request, plan, self.np.zeros(0, "int64"))
             assert (self.pool.refcount(held) > 0).all(), "a recycled request publishes a slot it gave back"
             for token, position, slot in zip(tokens.tolist(), positions.tolist(), held.tolist()):
                 self.kv.content[slot] = (brute.names[token], position)
