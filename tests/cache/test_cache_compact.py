@@ -247,18 +247,22 @@ def test_an_in_place_plan_takes_no_copy_slot_and_keeps_its_births() -> None:
     core.finish(request)
 
 
-def test_reserved_versions_are_resident_for_no_other_match() -> None:
+@pytest.mark.parametrize("pool_size", [64, 6])
+def test_reserved_versions_are_resident_for_no_other_match(pool_size: int) -> None:
     """While a locked draft holds versions it will rotate in place (``reserve``), a plain match stops
-    before them and a context match plans their tokens as recomputed; ``unreserve`` gives them back."""
+    before them and a context match plans their tokens as recomputed; ``unreserve`` gives them back.
+    With 6 slots the first turn fills the pool, so a reserved version sits in its highest slot."""
     from akv.system.cache import plain
 
-    core = CacheCore(SlotPool(64))
+    core = CacheCore(SlotPool(pool_size))
     first = Conversation(MESSAGES, {}, ()).program(2)
     core.finish(core.admit(first))
+    assert pool_size > first.n_tokens or core.pool.n_free == 0
     draft = core.match(Conversation(MESSAGES, {2: (1,)}, (2,)).program(3), in_place=True)
     reader = Conversation(MESSAGES, {}, ()).program(3)
     assert plain.resident_prefix(core, first.token_ids, "").size == first.n_tokens
     assert not core.match(reader).plan.plan.computed[:first.n_tokens].any()
+    assert pool_size > first.n_tokens or pool_size in draft.plan.taken
     core.reserve(draft.plan.taken)
     assert plain.resident_prefix(core, first.token_ids, "").size == 4  # tokens 4, 5 set aside
     assert core.match(reader).plan.plan.computed[[4, 5]].all()

@@ -91,7 +91,7 @@ class CacheCore:
         self._evict = self._evict_tree if evict is None else evict
         self._rids = itertools.count()
         self._active: dict[int, ActiveRequest] = {}
-        self._reserved = np.zeros(pool.size, dtype=np.int64)
+        self._reserved = np.zeros(pool.size + 1, dtype=np.int64)  # by slot: slots are 1..size
         self._n_reserved = 0
 
     @property
