@@ -12,7 +12,20 @@ calls during its wave. ``--beside-chunked N`` sends each next turn together with
 prompt of another conversation, first in the queue, which SGLang prefills in chunks of
 ``--chunk`` tokens while the context request waits.
 
+``--agent TURNS`` serves instead one live-budget agent turn after turn (bench/cache_core.py's: each
+turn adds a call and a ~2.3k-token tool result, and drops the oldest results and repositions once the
+live length passes ``--live-budget``), its text growing to ~275k tokens at 116 turns, and reports per
+turn the scheduler thread's CPU milliseconds by phase (receive and attach, schedule and admit, run,
+result and publish; ``scheduler_driver.HostClock``). Every ``--floor-every`` turns, and at the last,
+the floor is served beside it: a plain conversation of that turn's live tokens whose prefix (all but
+the turn's call and result) was prefilled just before, so it computes the same new tokens over a
+resident prefix of the live length, as text engineering's best case does. On the CPU the schedule and
+run phases also hold the tensor work a GPU does asynchronously (and the interpreted Triton index
+kernels of plain requests), so AKV is set against the floor on the host-only phases, receive and
+result (``host_vs_floor``).
+
     python bench/admission_sglang_cpu.py --steps 29 --trials 6 --out bench/results/x.json
+    python bench/admission_sglang_cpu.py --agent 116 --out bench/results/y.json
 """
 
 from __future__ import annotations
@@ -66,6 +79,83 @@ def trial_waves(seed: int, steps: int, beside: int) -> list[dict[str, Any]]:
             {"requests": wave}]
 
 
+HOST_PHASES = ("receive", "result")
+"""The phases with no tensor work on the CPU device: set against the floor's (module docstring)."""
+
+
+def agent_waves(turns: int, budget: int, floor_every: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The agent's waves (module docstring) and, per turn, its sizes and which waves measure it."""
+    from akv.system.context.compiler import compile_program
+    from akv.system.context.rules import parse_rules
+    from akv.system.context.wire import encode_program
+    from bench.cache_core import agent_messages
+
+    rng = np.random.default_rng(0)
+    messages = [m % VOCAB for m in agent_messages(rng, turns)]
+    sizes = [m.size for m in messages]
+    drops: dict[str, list[int]] = {}
+    repositions: list[int] = []
+    dropped: set[int] = set()
+    waves, turn_rows = [], []
+    for turn in range(turns):
+        last = 3 + 2 * turn  # this turn's tool result
+        live = sum(sizes[m] for m in range(last + 1) if m not in dropped)
+        for m in range(3, last, 2):
+            if live <= budget:
+                break
+            if m not in dropped:
+                drops.setdefault(str(last), []).append(m)
+                dropped.add(m)
+                live -= sizes[m]
+        if str(last) in drops:
+            repositions.append(last)
+        ids = np.concatenate(messages[: last + 1])
+        owners = np.repeat(np.arange(last + 1), sizes[: last + 1])
+        program = compile_program(ids, owners, parse_rules(drops or None, repositions or None, last + 1), last + 1)
+        row = {"turn": turn, "text_tokens": int(ids.size), "live_tokens": live, "events": len(drops) + len(repositions),
+               "akv_wave": len(waves)}
+        waves.append({"requests": [{"rid": f"akv-{turn}", "ids": ids.tolist(), "max_new": 1,
+                                    "program": base64.b64encode(encode_program(program)).decode()}]})
+        if turn % floor_every == floor_every - 1 or turn == turns - 1:
+            kept = [messages[m] for m in range(last + 1) if m not in dropped]
+            plain = np.concatenate(kept)
+            plain[0] = (plain[0] + 1) % VOCAB  # its own path in the tree
+            prefix = plain[: plain.size - sizes[last - 1] - sizes[last]]
+            waves.append({"requests": [{"rid": f"prime-{turn}", "ids": prefix.tolist(), "program": None, "max_new": 1}]})
+            row["floor_wave"] = len(waves)
+            waves.append({"requests": [{"rid": f"floor-{turn}", "ids": plain.tolist(), "program": None, "max_new": 1}]})
+        turn_rows.append(row)
+    return waves, turn_rows
+
+
+def agent_report(report: dict[str, Any], turn_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per turn the AKV wave's and the floor's host CPU ms; medians by text."""
+    lines = {line["rid"]: line for line in report["prefills"]}
+    rows = []
+    for row in turn_rows:
+        akv = report["waves"][row.pop("akv_wave")]["host_cpu_ms"]
+        line = lines.get(f"akv-{row['turn']}", {})
+        row.update(akv_host_cpu_ms=akv, akv_total_ms=round(sum(akv.values()), 3),
+                   **{k: line.get(k) for k in ("admission_ms", "cached", "repositioned", "new")})
+        if "floor_wave" in row:
+            floor = report["waves"][row.pop("floor_wave")]["host_cpu_ms"]
+            host = [sum(ms[p] for p in HOST_PHASES) for ms in (akv, floor)]
+            row.update(floor_host_cpu_ms=floor, host_vs_floor=round(host[0] / max(host[1], 1e-9), 2))
+        rows.append(row)
+    buckets: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        lo = row["text_tokens"] // 50_000 * 50
+        buckets.setdefault(f"{lo}-{lo + 50}k", []).append(row)
+    summary = {}
+    for name, group in buckets.items():
+        floors = [r["host_vs_floor"] for r in group if "host_vs_floor" in r]
+        summary[name] = {"turns": len(group), "akv_total_ms_median": round(statistics.median(r["akv_total_ms"] for r in group), 3),
+                         **{f"akv_{phase}_ms_median": round(statistics.median(r["akv_host_cpu_ms"][phase] for r in group), 3)
+                            for phase in group[0]["akv_host_cpu_ms"]},
+                         "host_vs_floor": floors}
+    return {"by_text": summary, "turns": rows}
+
+
 def main() -> None:
     p = cli.parser(None, __doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=29, help="tool calls of the turn (29: ~30k tokens)")
@@ -74,6 +164,9 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192, help="SGLang's chunked prefill size")
     p.add_argument("--beside-chunked", type=int, default=0, metavar="N")
     p.add_argument("--overlap", action="store_true", help="SGLang's overlap schedule")
+    p.add_argument("--agent", type=int, default=0, metavar="TURNS", help="serve the live-budget agent instead")
+    p.add_argument("--live-budget", type=int, default=20_000, help="the agent's live tokens (--agent)")
+    p.add_argument("--floor-every", type=int, default=10, help="the floor beside every this many turns (--agent)")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "admission-sglang-cpu")
     p.add_argument("--out", type=cli.new_file, default=None)
     args = p.parse_args()
@@ -84,10 +177,14 @@ def main() -> None:
     if not (model / "config.json").exists():
         make_tiny_model(model, seed=3, max_position_embeddings=262_144)
     site = servers.cpu_patched_site(args.work)
-    waves = [w for seed in range(1, args.trials + 1) for w in trial_waves(seed, args.steps, args.beside_chunked)]
+    if args.agent:
+        waves, turn_rows = agent_waves(args.agent, args.live_budget, args.floor_every)
+    else:
+        waves = [w for seed in range(1, args.trials + 1) for w in trial_waves(seed, args.steps, args.beside_chunked)]
     job = {"model": str(model), "overlap": args.overlap, "chunk": args.chunk, "backend": "akv", "env": {},
            "parts": [waves], "max_total_tokens": args.pool, "server_args": {"context_length": 262_144},
-           "timeout": 3000, "stub_attention": True, "count_calls": True}
+           "timeout": 3000, "stub_attention": True, "count_calls": True,
+           "host_clock": bool(args.agent)}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "TRITON_INTERPRET": "1"}
     started = time.time()
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_cpu" / "scheduler_driver.py")],
@@ -95,6 +192,11 @@ def main() -> None:
     if done.returncode:
         sys.exit(f"scheduler driver failed: {done.stderr[-4000:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])[0]
+    if args.agent:
+        results.show({**head, "clock": "CPU time of the scheduler thread", "turns": args.agent,
+                      "live_budget": args.live_budget, "pool": args.pool, "chunk": args.chunk, "overlap": args.overlap,
+                      **agent_report(report, turn_rows), "run_s": round(time.time() - started, 1)}, args.out)
+        return
     lines = {line["rid"]: line for line in report["prefills"]}
     rows = []
     for seed, wave in zip(range(1, args.trials + 1), report["waves"][1::2]):

@@ -13,10 +13,12 @@ next-token logits of every forward that predicts a generated token (keyed by its
 
 With ``audit`` on, :class:`Audit` checks every read of the AKV cache against the brute force of
 ``tests/cache/brute.py`` while the scheduler runs. With ``count_calls`` on, each wave's report counts
-the cache core's calls during it (:class:`CoreCalls`). With ``stub_attention`` on, the Triton backend's
-attention kernels write zeros instead of attending (everything else runs: scheduling, the cache core,
+the cache core's calls during it (:class:`CoreCalls`); with ``host_clock`` on, the scheduler thread's
+CPU time during it, by phase (:class:`HostClock`). With ``stub_attention`` on, the Triton backend's
+attention kernels write zeros instead of attending, and SGLang writes ``req_to_token`` rows with its
+torch path instead of the interpreted Triton kernel (everything else runs: scheduling, the cache core,
 KV writes, re-rotation copies): for measuring the host work of long contexts, which the interpreted
-kernels would take hours to attend over; the outputs are then meaningless.
+kernels would take hours to attend over (and seconds to index); the outputs are then meaningless.
 
 Test-side setup only (nothing here changes SGLang): the torchvision shim, the Triton interpreter
 with its numpy scalar fix, the flag that keeps ``RotaryEmbedding`` off vllm's CPU kernel, and
@@ -201,8 +203,45 @@ class CoreCalls:
         return out
 
 
+class HostClock:
+    """CPU milliseconds of the scheduler thread in each phase of its loop since the last :meth:`take`:
+    receiving and attaching requests, picking the next batch (admission), running it and processing
+    its result (release and publish). Idle passes (nothing received, no batch) are not counted."""
+
+    PHASES = ("receive", "schedule", "run", "result")
+
+    def __init__(self, scheduler: Any) -> None:
+        self.ms = dict.fromkeys(self.PHASES, 0.0)
+        receiver = scheduler.request_receiver
+        receiver.recv_requests = self._timed("receive", receiver.recv_requests, lambda args, out: bool(out))
+        scheduler.process_input_requests = self._timed("receive", scheduler.process_input_requests,
+                                                       lambda args, out: bool(args[0]))
+        scheduler.get_next_batch_to_run = self._timed("schedule", scheduler.get_next_batch_to_run,
+                                                      lambda args, out: out.batch_to_run is not None)
+        scheduler.run_batch = self._timed("run", scheduler.run_batch)
+        scheduler.process_batch_result = self._timed("result", scheduler.process_batch_result)
+
+    def _timed(self, phase: str, fn: Any, counted: Any = lambda args, out: True) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            out = fn(*args, **kwargs)
+            if counted(args, out):
+                self.ms[phase] += (time.thread_time() - start) * 1e3
+            return out
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.ms = self.ms, dict.fromkeys(self.PHASES, 0.0)
+        return {k: round(v, 3) for k, v in out.items()}
+
+
 def _stub_attention(backend: Any) -> None:
-    """The Triton backend's extend and decode attention write zeros into their output (module docstring)."""
+    """The Triton backend's extend and decode attention write zeros into their output, and
+    ``req_to_token`` rows are written by SGLang's torch path (module docstring)."""
+    from sglang.srt.mem_cache import allocation
+
+    allocation.support_triton = lambda attention_backend: False
 
     def zeros(q: Any, k: Any, v: Any, o: Any, *args: Any, **kwargs: Any) -> None:
         o.zero_()
@@ -253,7 +292,7 @@ class Driver:
 
     def __init__(self, model: str, overlap: bool, chunk: int, backend: str | None, max_total_tokens: int,
                  extra_args: dict[str, Any], audit: bool = False, count_calls: bool = False,
-                 stub_attention: bool = False) -> None:
+                 stub_attention: bool = False, host_clock: bool = False) -> None:
         args = ServerArgs(
             model_path=model, device="cpu", attention_backend="triton", sampling_backend="pytorch", page_size=1,
             dtype="float32", disable_cuda_graph=True, disable_overlap_schedule=not overlap,
@@ -282,6 +321,7 @@ class Driver:
         self._receive_whole_waves()
         self.audit = Audit(self.scheduler) if audit else None
         self.calls = CoreCalls(self.scheduler.tree_cache.core) if count_calls else None
+        self.clock = HostClock(self.scheduler) if host_clock else None
         if stub_attention:
             _stub_attention(self.scheduler.tp_worker.model_runner.attn_backend)
         self.prefill_log = PrefillLog()
@@ -459,7 +499,7 @@ def main() -> None:
     started = time.time()
     driver = Driver(job["model"], job["overlap"], job["chunk"], job["backend"], job.get("max_total_tokens", 4096),
                     job.get("server_args", {}), job.get("audit", False), job.get("count_calls", False),
-                    job.get("stub_attention", False))
+                    job.get("stub_attention", False), job.get("host_clock", False))
     startup_s = round(time.time() - started, 1)
     reports = []
     for k, waves in enumerate(job["parts"]):
@@ -470,11 +510,14 @@ def main() -> None:
             t = time.time()
             if driver.calls is not None:
                 driver.calls.take()
+            if driver.clock is not None:
+                driver.clock.take()
             driver.submit_wave(wave["requests"])
             driver.wait([r["rid"] for r in wave["requests"]], wave.get("aborts", {}), job.get("timeout", 900),
                         wave.get("aborts_after_forwards"))
             report["waves"].append({"seconds": round(time.time() - t, 1), "pool": driver.pool(),
-                                    **({} if driver.calls is None else {"calls": driver.calls.take()})})
+                                    **({} if driver.calls is None else {"calls": driver.calls.take()}),
+                                    **({} if driver.clock is None else {"host_cpu_ms": driver.clock.take()})})
         if driver.error:
             raise RuntimeError(driver.error)
         report["results"] = driver.results()
