@@ -136,7 +136,8 @@ def agent_report(report: dict[str, Any], turn_rows: list[dict[str, Any]]) -> dic
         akv = report["waves"][row.pop("akv_wave")]["host_cpu_ms"]
         line = lines.get(f"akv-{row['turn']}", {})
         row.update(akv_host_cpu_ms=akv, akv_total_ms=round(sum(akv.values()), 3),
-                   **{k: line.get(k) for k in ("admission_ms", "cached", "repositioned", "new")})
+                   **{k: line.get(k) for k in ("admission_ms", "forwards", "new", "cached", "repositioned", "copy_slots",
+                                                "in_place")})
         if "floor_wave" in row:
             floor = report["waves"][row.pop("floor_wave")]["host_cpu_ms"]
             host = [sum(ms[p] for p in HOST_PHASES) for ms in (akv, floor)]
