@@ -14,7 +14,8 @@ the cache core (:func:`akv.system.adapter.lengths.request_program`: wire decode,
 tokens against the request's ``array("q")`` input ids, the length checks), the current tree against
 the ``akv/`` of ``--baseline`` (a git revision), each in its own process, alternating for
 ``--rounds`` rounds. CPU ms per call (median of ``--repeats``, then of the rounds) and minor page
-faults per call; ``transitions_ms`` is what reading every Repos's moved tokens costs afterwards.
+faults per call, also under :data:`HEAP_KEPT` (``*_heap_kept``); ``transitions_ms`` is what reading
+every Repos's moved tokens (tokens, old and new positions) of a decoded program costs afterwards.
 Run: ``python bench/compiler.py --agent --baseline 668cc05 --out bench/results/compiler-agent.json``.
 """
 
@@ -234,6 +235,11 @@ def measure_agent(inputs: dict[str, Any], repeats: int, context_len: int) -> dic
     return out
 
 
+HEAP_KEPT = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+"""glibc settings under which freed arrays stay in the heap: the ``*_heap_kept`` variants show what
+the same work costs without the first-touch page faults of fresh arrays."""
+
+
 def run_agent(args: Any) -> dict[str, Any]:
     """Both trees, alternating, each size in its own processes (module docstring)."""
     baseline = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.baseline], capture_output=True, text=True,
@@ -248,23 +254,28 @@ def run_agent(args: Any) -> dict[str, Any]:
             inputs = agent_inputs(turns, args.budget, seed=0)
             path = Path(tmp) / f"agent-{turns}.json"
             path.write_text(json.dumps({**inputs, "ids": inputs["ids"].tolist(), "owners": inputs["owners"].tolist()}))
-            rounds: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+            variants = {"before": (before, {}), "after": (ROOT, {}), "before_heap_kept": (before, HEAP_KEPT),
+                        "after_heap_kept": (ROOT, HEAP_KEPT)}
+            rounds: dict[str, list[dict[str, Any]]] = {label: [] for label in variants}
             for _ in range(args.rounds):
-                for label, tree in (("before", before), ("after", ROOT)):
+                for label, (tree, env) in variants.items():
                     child = subprocess.run(
                         [sys.executable, __file__, "--measure", str(path), "--repeats", str(args.repeats),
                          "--context-len", str(args.context_len)],
-                        env={**os.environ, "AKV_BENCH_TREE": str(tree)}, capture_output=True, text=True, check=True)
+                        env={**os.environ, **env, "AKV_BENCH_TREE": str(tree)}, capture_output=True, text=True,
+                        check=True)
                     rounds[label].append(json.loads(child.stdout))
             row: dict[str, Any] = {"turns": turns}
             for label, runs in rounds.items():
-                assert all(r["akv"] == str(Path(before if label == "before" else ROOT) / "akv") for r in runs), runs
+                assert all(r["akv"] == str(variants[label][0] / "akv") for r in runs), runs
                 merged = {k: v for k, v in runs[0].items() if not k.endswith(("_ms", "_page_faults")) and k != "akv"}
                 row.update(merged)
                 row[label] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]
                               if k.endswith(("_ms", "_page_faults"))}
-            row["after_vs_before"] = {k: round(row["before"][k] / max(row["after"][k], 1e-3), 1)
-                                      for k in row["after"] if k.endswith("_ms") and k != "transitions_ms"}
+            for suffix in ("", "_heap_kept"):
+                row[f"after_vs_before{suffix}"] = {
+                    k: round(row[f"before{suffix}"][k] / max(row[f"after{suffix}"][k], 1e-3), 1)
+                    for k in row["after"] if k.endswith("_ms") and k != "transitions_ms"}
             sizes.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     return {"baseline": baseline, "sizes": sizes}

@@ -300,7 +300,7 @@ def _lay_out(ids: np.ndarray, owners: np.ndarray, n_messages: int, events: tuple
         birth_stage=frozen(birth_stage),
         final_position=frozen(final_position),
         keep=frozen(keep),
-        visible_until=frozen(at[hidden_by]),
+        visible_until=frozen(np.take(at, hidden_by)),
         transitions=transitions,
         next_position=int(n - hidden_before[repos[-1]] if repos else n),
     )
