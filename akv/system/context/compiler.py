@@ -18,6 +18,7 @@ from akv.system.arrays import frozen
 from akv.system.context.program import ContextProgram, DropRanges, Event, EventKind, Transition
 from akv.system.context.rules import ContextRules, Drop
 
+
 class ProgramError(ValueError):
     """Token ids, owners or rules cannot form a program; the message names the field and value."""
 

@@ -143,8 +143,11 @@ class Transition:
 
 def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``starts[i] + 0 .. lengths[i] - 1`` for every run, concatenated."""
-    first = np.cumsum(lengths) - lengths
-    return frozen(np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - first, lengths))
+    if starts.size == 1:  # the usual Repos: everything after one gap
+        return frozen(np.arange(starts[0], starts[0] + lengths[0], dtype=np.int64))
+    out = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    out += np.arange(out.size, dtype=np.int64)
+    return frozen(out)
 
 
 @dataclass(frozen=True)
