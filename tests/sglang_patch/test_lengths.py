@@ -4,6 +4,7 @@ and its encoded program reaches the scheduler as plain bytes."""
 
 from __future__ import annotations
 
+from array import array
 from types import SimpleNamespace
 
 import msgspec
@@ -14,7 +15,7 @@ from akv.system.adapter import lengths
 from akv.system.adapter.serving import UnsupportedContextRequest, error_param
 from akv.system.context.compiler import compile_program
 from akv.system.context.rules import parse_rules
-from akv.system.context.wire import decode_program
+from akv.system.context.wire import decode_program, encode_program
 
 # messages of 10, 2000 (a large tool result), 10 tokens and a 3-token generation prompt
 SIZES = (10, 2000, 10)
@@ -63,3 +64,15 @@ def test_a_text_beyond_the_row_width_is_refused(monkeypatch: pytest.MonkeyPatch)
 def test_plain_requests_keep_sglangs_counts() -> None:
     assert lengths.input_tokens(SimpleNamespace(context_program=None), [1, 2, 3]) == 3
     assert lengths.held_length(SimpleNamespace(akv=None, origin_input_ids=[1, 2])) == 2
+
+
+@pytest.mark.parametrize("container", [lambda ids: array("q", ids), list])  # SGLang 0.5.16's Req holds array("q")
+def test_the_scheduler_takes_a_program_only_with_the_requests_own_tokens(container) -> None:
+    prog = program(True)
+    data = encode_program(prog)
+    ids = prog.token_ids.tolist()
+    taken = lengths.request_program(SimpleNamespace(origin_input_ids=container(ids)), data, 2048)
+    assert not isinstance(taken, str) and taken.token_ids.tolist() == ids
+    differ = "context_program: its tokens differ from the request's input_ids"
+    for other in (ids[:-1], ids + [5], ids[:7] + [ids[7] + 1] + ids[8:], []):
+        assert lengths.request_program(SimpleNamespace(origin_input_ids=container(other)), data, 2048) == differ

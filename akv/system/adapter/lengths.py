@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from akv.system.adapter.serving import UnsupportedContextRequest
 from akv.system.context.limits import live_length, live_length_problem
 from akv.system.context.program import ContextProgram
@@ -71,7 +73,7 @@ def request_program(req: Any, data: bytes, context_len: int | None) -> ContextPr
         program = decode_program(data)
     except WireError as exc:
         return f"context_program: {exc}"
-    if program.token_ids.tolist() != list(req.origin_input_ids):
+    if not np.array_equal(program.token_ids, np.asarray(req.origin_input_ids)):  # SGLang's array("q"): no copy
         return "context_program: its tokens differ from the request's input_ids"
     if context_len is not None:
         problem = request_problem(program, None, context_len)

@@ -1,9 +1,9 @@
 """Compile token ownership and parsed rules into a :class:`ContextProgram` (DESIGN.md §1).
 
 An event anchored at message ``b`` applies right after the last token owned by a message ``<= b``;
-at one anchor the Drop comes before the Repos. Work is linear in tokens + events + the size of the
-position transitions produced: drops are marked in one vectorised pass, and only a Repos costs a
-numpy step (over the tokens after the earliest new gap).
+at one anchor the Drop comes before the Repos. Work is a few vectorised passes over the tokens;
+what a Repos moves is worked out from the drop ranges only when first asked (:class:`Transition`), so
+a program costs the same however many tokens its Repos move.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from typing import Any
 import numpy as np
 
 from akv.system.arrays import frozen
-from akv.system.context.program import ContextProgram, Event, EventKind, Transition
+from akv.system.context.program import ContextProgram, DropRanges, Event, EventKind, Transition
 from akv.system.context.rules import ContextRules, Drop
-
-_ALIVE = np.iinfo(np.int64).max
 
 
 class ProgramError(ValueError):
@@ -41,11 +39,7 @@ def compile_program(token_ids: Any, owners: Any, rules: ContextRules, n_messages
     Owners must be non-decreasing (each message one contiguous range, in message order).
     """
     ids, own = _token_vectors(token_ids, owners, n_messages)
-    if not isinstance(rules, ContextRules):
-        raise ProgramError(f"rules: expected ContextRules, got {type(rules).__name__}")
-    if rules.max_id >= n_messages:
-        raise ProgramError(f"rules: message id {rules.max_id} is out of range for {n_messages} messages")
-    return _lay_out(ids, own, n_messages, _events(own, message_drops(own, rules.drops), rules.repositions))
+    return program_of_rules(ids, own, rules, n_messages)
 
 
 def compile_token_drops(
@@ -56,9 +50,26 @@ def compile_token_drops(
     Anchors increase, each range ends at or before its anchor's last token, and no token is hidden twice.
     """
     ids, own = _token_vectors(token_ids, owners, n_messages)
+    return program_of_token_drops(ids, own, drops, repositions, n_messages)
+
+
+def program_of_rules(ids: np.ndarray, owners: np.ndarray, rules: ContextRules, n_messages: int) -> ContextProgram:
+    """:func:`compile_program` of vectors the caller has checked and hands over: int64 arrays, token
+    ids non-negative (:func:`check_non_negative`), owners non-decreasing up to ``n_messages``."""
+    if not isinstance(rules, ContextRules):
+        raise ProgramError(f"rules: expected ContextRules, got {type(rules).__name__}")
+    if rules.max_id >= n_messages:
+        raise ProgramError(f"rules: message id {rules.max_id} is out of range for {n_messages} messages")
+    return _lay_out(ids, owners, n_messages, _events(owners, message_drops(owners, rules.drops), rules.repositions))
+
+
+def program_of_token_drops(
+    ids: np.ndarray, owners: np.ndarray, drops: Sequence[TokenDrop], repositions: Sequence[int], n_messages: int
+) -> ContextProgram:
+    """:func:`compile_token_drops` of vectors checked and handed over as for :func:`program_of_rules`."""
     repos = tuple(repositions)
-    _check_token_drops(own, tuple(drops), repos, n_messages)
-    return _lay_out(ids, own, n_messages, _events(own, tuple(drops), repos))
+    _check_token_drops(owners, tuple(drops), repos, n_messages)
+    return _lay_out(ids, owners, n_messages, _events(owners, tuple(drops), repos))
 
 
 def message_drops(owners: Any, drops: Sequence[Drop]) -> tuple[TokenDrop, ...]:
@@ -80,6 +91,8 @@ def append_generated(program: ContextProgram, token_ids: Any) -> ContextProgram:
     """Extend ``program`` with generated tokens: final stage, positions from ``next_position`` on."""
     new = _int_vector(token_ids, "token_ids")
     k = new.shape[0]
+    if k == 0:
+        return program
     n_old = program.n_tokens
     n = n_old + k
     positions = np.arange(program.next_position, program.next_position + k, dtype=np.int64)
@@ -196,11 +209,15 @@ def _int_vector(value: Any, field: str) -> np.ndarray:
         raise ProgramError(f"{field}: expected integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
         raise ProgramError(f"{field}: value {int(arr.max())} does not fit int64")
-    out = arr.astype(np.int64)
-    if out.min() < 0:
-        bad = int(np.flatnonzero(out < 0)[0])
-        raise ProgramError(f"{field}[{bad}]: negative value {int(out[bad])}")
-    return out
+    return check_non_negative(arr.astype(np.int64), field)
+
+
+def check_non_negative(values: np.ndarray, field: str) -> np.ndarray:
+    """``values`` (integers), or a :class:`ProgramError` naming the first negative one."""
+    if values.size and values.min() < 0:
+        bad = int(np.flatnonzero(values < 0)[0])
+        raise ProgramError(f"{field}[{bad}]: negative value {int(values[bad])}")
+    return values
 
 
 def _check_owners(owners: np.ndarray, n_messages: int) -> None:
@@ -249,43 +266,31 @@ def _merge_ranges(starts: list[int], ends: list[int]) -> tuple[tuple[int, int], 
 
 
 def _lay_out(ids: np.ndarray, owners: np.ndarray, n_messages: int, events: tuple[Event, ...]) -> ContextProgram:
-    """Walk the events once. Drops never move the next position, so births between two Repos
-    form one contiguous run; only a Repos needs the current positions of earlier tokens."""
+    """Closed forms (DESIGN.md §1): Drops never move a position and a Repos compacts every visible key,
+    so after a Repos a token visible there sits at the number of tokens before it still visible, and
+    the tokens born until the next Repos continue from there. A few passes over the tokens; what a
+    Repos moves is worked out from the drop ranges when first asked (:class:`Transition`)."""
     n = ids.shape[0]
-    hidden_by = _hidden_by(n, events)
-    birth_position = np.empty(n, dtype=np.int64)
-    position = np.empty(n, dtype=np.int64)
-    transitions: list[Transition] = []
-    run_start = 0
-    run_base = 0
-    first_gap = n
-    for stage, event in enumerate(events):
-        if event.kind is EventKind.DROP:
-            if event.ranges:
-                first_gap = min(first_gap, event.ranges[0][0])
-            continue
-        born = event.at
-        birth_position[run_start:born] = np.arange(run_base, run_base + born - run_start)
-        position[run_start:born] = birth_position[run_start:born]
-        tokens = np.zeros(0, dtype=np.int64)
-        old = new = tokens
-        if first_gap < born:
-            gap_position = int(position[first_gap])
-            tokens = first_gap + np.flatnonzero(hidden_by[first_gap:born] > stage)
-            old = position[tokens]
-            new = np.arange(gap_position, gap_position + tokens.size, dtype=np.int64)
-            position[tokens] = new
-            run_base = gap_position + tokens.size
-            first_gap = n
-        else:
-            run_base += born - run_start
-        run_start = born
-        transitions.append(Transition(stage, frozen(tokens), frozen(old), frozen(new)))
-    birth_position[run_start:] = np.arange(run_base, run_base + n - run_start)
-    position[run_start:] = birth_position[run_start:]
+    n_events = len(events)
     at = np.array([e.at for e in events] + [n], dtype=np.int64)
-    birth_stage = np.repeat(np.arange(len(events) + 1, dtype=np.int64), np.diff(at, prepend=0))
-    keep = hidden_by == _ALIVE
+    ranges = DropRanges.of(events)
+    hidden_by = _hidden_by(ranges, n, n_events)
+    hidden = np.bincount(ranges.stages, weights=ranges.ends - ranges.starts, minlength=n_events)
+    hidden_before = np.concatenate([[0], np.cumsum(hidden.astype(np.int64))])  # by the events before each
+    repos = [i for i, event in enumerate(events) if event.kind is EventKind.REPOS]
+    starts = [0] + [int(at[s]) for s in repos] + [n]  # the runs of births between Repos
+    birth_position = np.arange(n, dtype=np.int64)
+    for j, s in enumerate(repos):  # a run starts at the Repos' visible count
+        birth_position[starts[j + 1] : starts[j + 2]] -= int(hidden_before[s])
+    transitions = tuple(Transition(s, previous, int(at[s]), ranges) for s, previous in zip(repos, [-1] + repos))
+    keep = hidden_by == n_events
+    final_position = birth_position.copy()
+    if repos:  # before the last Repos: the count of tokens before it still visible there
+        born = starts[-2]
+        final_position[:born] = np.cumsum(hidden_by[:born] > repos[-1], dtype=np.int32)
+        final_position[:born] -= 1
+    final_position[~keep] = -1
+    birth_stage = np.repeat(np.arange(n_events + 1, dtype=np.int64), np.diff(at, prepend=0))
     return ContextProgram(
         token_ids=frozen(ids),
         owners=frozen(owners),
@@ -294,23 +299,18 @@ def _lay_out(ids: np.ndarray, owners: np.ndarray, n_messages: int, events: tuple
         events=events,
         birth_position=frozen(birth_position),
         birth_stage=frozen(birth_stage),
-        final_position=frozen(np.where(keep, position, -1)),
+        final_position=frozen(final_position),
         keep=frozen(keep),
-        visible_until=frozen(at[np.minimum(hidden_by, len(events))]),
-        transitions=tuple(transitions),
-        next_position=run_base + n - run_start,
+        visible_until=frozen(np.take(at, hidden_by)),
+        transitions=transitions,
+        next_position=int(n - hidden_before[repos[-1]] if repos else n),
     )
 
 
-def _hidden_by(n: int, events: tuple[Event, ...]) -> np.ndarray:
-    """Index of the Drop event hiding each token (``_ALIVE`` if none); drop ranges are disjoint."""
-    spans = [(i, s, e) for i, event in enumerate(events) for s, e in event.ranges]
-    hidden_by = np.full(n, _ALIVE, dtype=np.int64)
-    if spans:
-        index, starts, ends = (np.asarray(col, dtype=np.int64) for col in zip(*spans))
-        lengths = ends - starts
-        first = np.cumsum(lengths) - lengths
-        tokens = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - first, lengths)
-        hidden_by[tokens] = np.repeat(index, lengths)
-    return hidden_by
-
+def _hidden_by(ranges: DropRanges, n: int, n_events: int) -> np.ndarray:
+    """Index of the Drop hiding each of ``n`` tokens, ``n_events`` if none (int32)."""
+    marks = np.zeros(n + 1, dtype=np.int32)
+    marks[0] = n_events
+    marks[ranges.starts] += ranges.stages - n_events
+    marks[ranges.ends] -= ranges.stages - n_events
+    return np.cumsum(marks[:n], out=marks[:n])

@@ -1,7 +1,7 @@
 """Compact byte form of a :class:`ContextProgram` for inter-process transport.
 
 Only the inputs travel: token ids, tokens per owner message, and the operations (drops and
-repositions by anchor). :func:`decode_program` checks the framing and a BLAKE2b digest, then
+repositions by anchor). :func:`decode_program` checks the framing and a CRC-32 checksum, then
 rebuilds every derived array with the compiler, so a decoded program is valid by construction.
 
 Layout (little-endian): ``b"AKVP"``, u16 version, u16 flags (0), u32 ``n_tokens``, ``n_prompt``,
@@ -10,13 +10,13 @@ Layout (little-endian): ``b"AKVP"``, u16 version, u16 flags (0), u32 ``n_tokens`
 ``drop_anchors[n_drops]``, ``drop_sizes[n_drops]``, ``dropped[n_dropped]``, ``repos[n_repos]``;
 then, when flag bit 0 (``RANGES``) is set, because some drop hides part of a message (a text span)
 rather than whole messages: ``n_ranges``, ``range_counts[n_drops]`` and ``ranges[2 * n_ranges]``
-(half-open token ranges of each drop, in order); then an 8-byte BLAKE2b digest of everything before it.
+(half-open token ranges of each drop, in order); then the CRC-32 of everything before it (u32).
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
+import zlib
 
 import numpy as np
 
@@ -24,18 +24,19 @@ from akv.system.context.compiler import (
     ProgramError,
     TokenDrop,
     append_generated,
-    compile_program,
-    compile_token_drops,
+    check_non_negative,
     message_drops,
+    program_of_rules,
+    program_of_token_drops,
 )
 from akv.system.context.program import ContextProgram, EventKind
 from akv.system.context.rules import ContextRules, Drop, RuleError
 
 MAGIC = b"AKVP"
-VERSION = 1
+VERSION = 2
 RANGES = 1
 _HEADER = struct.Struct("<4sHHIIIIII")
-_DIGEST = 8
+_DIGEST = 4
 _INT32_MAX = np.iinfo(np.int32).max
 _I32 = np.dtype("<i4")
 
@@ -82,7 +83,8 @@ def decode_program(data: bytes) -> ContextProgram:
     """Parse and fully re-validate bytes produced by :func:`encode_program`."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"data: expected bytes, got {type(data).__name__}")
-    data = bytes(data)
+    if not isinstance(data, bytes):
+        data = bytes(data)
     if len(data) < _HEADER.size + _DIGEST:
         raise WireError(f"data: {len(data)} bytes is shorter than the {_HEADER.size + _DIGEST}-byte frame")
     magic, version, flags, n_tokens, n_prompt, n_messages, n_drops, n_dropped, n_repos = _HEADER.unpack_from(data)
@@ -102,8 +104,8 @@ def decode_program(data: bytes) -> ContextProgram:
         expected += 4 * (1 + n_drops + 2 * n_ranges)
     if len(data) != expected:
         raise WireError(f"data: {len(data)} bytes, the header announces {expected}")
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if _digest(body) != digest:
+    body = memoryview(data)[:-_DIGEST]
+    if _digest(body) != data[-_DIGEST:]:
         raise WireError("digest: content does not match its checksum")
     arrays = []
     offset = _HEADER.size
@@ -120,10 +122,12 @@ def decode_program(data: bytes) -> ContextProgram:
     splits = np.cumsum(drop_sizes)[:-1]
     messages = [tuple(int(m) for m in msgs) for msgs in np.split(dropped, splits)]
     try:
-        owners = np.repeat(np.arange(n_messages + 1, dtype=np.int64), counts)
+        check_non_negative(token_ids, "token_ids")
+        owners = np.repeat(np.arange(n_messages + 1, dtype=np.int64), counts)  # non-decreasing, in range
+        prompt = token_ids[:n_prompt]
         if flags:
-            program = compile_token_drops(
-                token_ids[:n_prompt], owners, _token_drops(anchors, messages, arrays[7], arrays[8], n_ranges),
+            program = program_of_token_drops(
+                prompt, owners, _token_drops(anchors, messages, arrays[7], arrays[8], n_ranges),
                 tuple(int(r) for r in repos.tolist()), n_messages,
             )
         else:
@@ -131,7 +135,7 @@ def decode_program(data: bytes) -> ContextProgram:
                 drops=tuple(Drop(int(a), msgs) for a, msgs in zip(anchors.tolist(), messages)),
                 repositions=tuple(int(r) for r in repos.tolist()),
             )
-            program = compile_program(token_ids[:n_prompt], owners, rules, n_messages)
+            program = program_of_rules(prompt, owners, rules, n_messages)
         return append_generated(program, token_ids[n_prompt:])
     except (RuleError, ProgramError) as err:
         raise WireError(f"program: {err}") from err
@@ -159,5 +163,5 @@ def _int32(values: object) -> bytes:
     return np.asarray(values, dtype=np.int64).astype(_I32).tobytes()
 
 
-def _digest(body: bytes) -> bytes:
-    return hashlib.blake2b(body, digest_size=_DIGEST).digest()
+def _digest(body: bytes | memoryview) -> bytes:
+    return struct.pack("<I", zlib.crc32(body))
