@@ -14,7 +14,8 @@ prompt of another conversation, first in the queue, which SGLang prefills in chu
 
 ``--agent TURNS`` serves instead one live-budget agent turn after turn (bench/cache_core.py's: each
 turn adds a call and a ~2.3k-token tool result, and drops the oldest results and repositions once the
-live length passes ``--live-budget``), its text growing to ~275k tokens at 116 turns, and reports per
+live length passes ``--live-budget``; each turn generates ``--reply-tokens`` that the next turn's text
+does not repeat, as in a replay), its text growing to ~275k tokens at 116 turns, and reports per
 turn the scheduler thread's CPU milliseconds by phase (receive and attach, schedule and admit, run,
 result and publish; ``scheduler_driver.HostClock``). Every ``--floor-every`` turns, and at the last,
 the floor is served beside it: a plain conversation of that turn's live tokens whose prefix (all but
@@ -83,7 +84,8 @@ HOST_PHASES = ("receive", "result")
 """The phases with no tensor work on the CPU device: set against the floor's (module docstring)."""
 
 
-def agent_waves(turns: int, budget: int, floor_every: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def agent_waves(turns: int, budget: int, floor_every: int,
+                reply: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The agent's waves (module docstring) and, per turn, its sizes and which waves measure it."""
     from akv.system.context.compiler import compile_program
     from akv.system.context.rules import parse_rules
@@ -114,7 +116,7 @@ def agent_waves(turns: int, budget: int, floor_every: int) -> tuple[list[dict[st
         program = compile_program(ids, owners, parse_rules(drops or None, repositions or None, last + 1), last + 1)
         row = {"turn": turn, "text_tokens": int(ids.size), "live_tokens": live, "events": len(drops) + len(repositions),
                "akv_wave": len(waves)}
-        waves.append({"requests": [{"rid": f"akv-{turn}", "ids": ids.tolist(), "max_new": 1,
+        waves.append({"requests": [{"rid": f"akv-{turn}", "ids": ids.tolist(), "max_new": reply,
                                     "program": base64.b64encode(encode_program(program)).decode()}]})
         if turn % floor_every == floor_every - 1 or turn == turns - 1:
             kept = [messages[m] for m in range(last + 1) if m not in dropped]
@@ -123,7 +125,8 @@ def agent_waves(turns: int, budget: int, floor_every: int) -> tuple[list[dict[st
             prefix = plain[: plain.size - sizes[last - 1] - sizes[last]]
             waves.append({"requests": [{"rid": f"prime-{turn}", "ids": prefix.tolist(), "program": None, "max_new": 1}]})
             row["floor_wave"] = len(waves)
-            waves.append({"requests": [{"rid": f"floor-{turn}", "ids": plain.tolist(), "program": None, "max_new": 1}]})
+            waves.append({"requests": [{"rid": f"floor-{turn}", "ids": plain.tolist(), "program": None,
+                                        "max_new": reply}]})
         turn_rows.append(row)
     return waves, turn_rows
 
@@ -168,6 +171,8 @@ def main() -> None:
     p.add_argument("--agent", type=int, default=0, metavar="TURNS", help="serve the live-budget agent instead")
     p.add_argument("--live-budget", type=int, default=20_000, help="the agent's live tokens (--agent)")
     p.add_argument("--floor-every", type=int, default=10, help="the floor beside every this many turns (--agent)")
+    p.add_argument("--reply-tokens", type=int, default=1,
+                   help="tokens each turn generates (--agent; the next turn's text does not repeat them)")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "admission-sglang-cpu")
     p.add_argument("--out", type=cli.new_file, default=None)
     args = p.parse_args()
@@ -179,7 +184,7 @@ def main() -> None:
         make_tiny_model(model, seed=3, max_position_embeddings=262_144)
     site = servers.cpu_patched_site(args.work)
     if args.agent:
-        waves, turn_rows = agent_waves(args.agent, args.live_budget, args.floor_every)
+        waves, turn_rows = agent_waves(args.agent, args.live_budget, args.floor_every, args.reply_tokens)
     else:
         waves = [w for seed in range(1, args.trials + 1) for w in trial_waves(seed, args.steps, args.beside_chunked)]
     job = {"model": str(model), "overlap": args.overlap, "chunk": args.chunk, "backend": "akv", "env": {},
@@ -195,7 +200,7 @@ def main() -> None:
     report = json.loads(done.stdout.strip().splitlines()[-1])[0]
     if args.agent:
         results.show({**head, "clock": "CPU time of the scheduler thread", "turns": args.agent,
-                      "live_budget": args.live_budget, "pool": args.pool, "chunk": args.chunk, "overlap": args.overlap,
+                      "live_budget": args.live_budget, "reply_tokens": args.reply_tokens, "pool": args.pool, "chunk": args.chunk, "overlap": args.overlap,
                       **agent_report(report, turn_rows), "run_s": round(time.time() - started, 1)}, args.out)
         return
     lines = {line["rid"]: line for line in report["prefills"]}
