@@ -93,6 +93,7 @@ class CacheCore:
         self._active: dict[int, ActiveRequest] = {}
         self._reserved = np.zeros(pool.size, dtype=np.int64)
         self._n_reserved = 0
+        self._reserved_slots = frozen(np.zeros(0, np.int64), np.int64)  # ascending, those reserved now
 
     @property
     def active(self) -> int:
@@ -124,14 +125,7 @@ class CacheCore:
     def resident(self, key: RecordKey) -> MatchResult:
         """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
         rotates them in place: they are resident for no one else)."""
-        match = self.tree.match(key)
-        if not self._n_reserved or not match.n_tokens:
-            return match
-        gone = (match.slots >= 0) & (self._reserved[np.maximum(match.slots, 0)] > 0)
-        if not gone.any():
-            return match
-        return MatchResult(match.n_tokens, match.n_records, frozen(np.where(gone, -1, match.slots), np.int64),
-                           frozen(np.where(gone, -1, match.positions), np.int64))
+        return self.tree.match(key, self._reserved_slots if self._n_reserved else None)
 
     def reserve(self, slots: np.ndarray) -> None:
         """Set aside tree versions a locked draft rotates in place, until :meth:`unreserve`: later
@@ -139,11 +133,14 @@ class CacheCore:
         slots = np.asarray(slots, dtype=np.int64)
         np.add.at(self._reserved, slots, 1)
         self._n_reserved += slots.size
+        self._reserved_slots = frozen(np.union1d(self._reserved_slots, slots), np.int64)
 
     def unreserve(self, slots: np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64)
         np.subtract.at(self._reserved, slots, 1)
         self._n_reserved -= slots.size
+        kept = self._reserved_slots
+        self._reserved_slots = frozen(kept[self._reserved[kept] > 0], np.int64)
 
     def reads_reserved(self, draft: Draft) -> bool:
         """Whether ``draft`` reads a version set aside since it was planned (it must be planned again)."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from akv.system.arrays import first_true, frozen
 from akv.system.cache.keys import RecordKey
-from akv.system.cache.plan import MatchResult
+from akv.system.cache.plan import MatchResult, VersionRuns
 from akv.system.cache.pool import SlotPool
 
 _EMPTY = -1
@@ -61,7 +61,7 @@ class TreeNode:
     ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
     __slots__ = ("key", "n_tokens", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
-                 "last_access", "uid", "changes", "read_changes")
+                 "last_access", "uid", "changes", "read_changes", "shared")
 
     def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
                  read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
@@ -78,6 +78,13 @@ class TreeNode:
         self.uid = uid
         self.changes = 0  # edits of its records or versions (what a match of a path through it returns)
         self.read_changes = 0  # edits of its read counts or terminal (which versions a request may take)
+        self.shared = False  # a match holds its version arrays: copy them before writing
+
+    def writable(self) -> None:
+        """Make the version arrays safe to write in place (a match made earlier keeps what it saw)."""
+        if self.shared:
+            self.slots, self.positions = self.slots.copy(), self.positions.copy()
+            self.shared = False
 
     @property
     def attached(self) -> bool:
@@ -130,16 +137,22 @@ class RadixTree:
         parts = [n.slots[n.slots >= 0] for n in self._nodes()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def match(self, key: RecordKey) -> MatchResult:
-        """Longest record prefix present in the tree, cut back to whole tokens, with their versions."""
+    def match(self, key: RecordKey, hidden: np.ndarray | None = None) -> MatchResult:
+        """Longest record prefix present in the tree, cut back to whole tokens, with their versions
+        (read lazily from the matched nodes as they are now; versions in ``hidden``, ascending slots,
+        count as absent)."""
         parts = self._path(key)
         stamp = self._tick()
         for child, _ in parts:
             self._touch(child, stamp)
         i = sum(common for _, common in parts)
         n_tokens = key.tokens_within(i)
-        slots, positions = _gather(parts, key.token_record[:n_tokens])
-        return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
+        for node, _ in parts:
+            node.shared = True
+        runs = [(node.slots[:common], node.positions[:common]) for node, common in parts]
+        starts = np.cumsum([0] + [common for _, common in parts[:-1]]).astype(np.int64)
+        source = VersionRuns(runs, starts, key.token_record[:n_tokens], hidden)
+        return MatchResult(n_tokens=n_tokens, n_records=i, source=source)
 
     def mark(self, key: RecordKey) -> PathMark:
         """The path ``key`` matches now, to tell later whether a match of it could differ
@@ -195,7 +208,7 @@ class RadixTree:
         if (common == leaf.key.shape[0] and not leaf.children and leaf.terminal is not None
                 and leaf.terminal.size >= match.n_tokens):
             end_reads = leaf.terminal[tokens]
-        slots, positions = match.slots[tokens], match.positions[tokens]
+        slots, positions = match.versions(tokens)
         free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
         for p, (node, _) in enumerate(parts):
             mine = np.flatnonzero(which == p) if len(parts) > 1 else np.arange(tokens.size)
@@ -232,6 +245,7 @@ class RadixTree:
             cells = node.slots[local] == slots[mine, None]
             hit = cells.any(axis=1)
             found += int(np.count_nonzero(hit))
+            node.writable()
             node.slots[local[hit]] = np.where(cells[hit], _EMPTY, node.slots[local[hit]])
             node.positions[local[hit]] = np.where(cells[hit], _EMPTY, node.positions[local[hit]])
             self._changed(node)
@@ -554,6 +568,7 @@ class RadixTree:
                          node.read_pos[:at], node.read_cnt[:at])
         upper.parent = parent
         upper.last_access = node.last_access
+        upper.shared = node.shared
         parent.children[int(upper.key[0])] = upper
         node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
         node.n_tokens -= upper.n_tokens
@@ -584,6 +599,7 @@ class RadixTree:
             if not add.any():
                 continue
             target = rows_index[add]
+            node.writable()
             has_free, cols = first_true(node.slots[target] < 0)
             if not has_free.all():
                 node.slots = _widen(node.slots)
@@ -602,6 +618,7 @@ class RadixTree:
         count = 0
         if held.any():
             count = self.pool.tree_decref(node.slots[held])
+            node.writable()
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
             self._changed(node)
@@ -653,26 +670,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     k = min(a.shape[0], b.shape[0])
     diff = np.flatnonzero(a[:k] != b[:k])
     return int(diff[0]) if diff.size else k
-
-
-def _gather(parts: list[tuple[TreeNode, int]], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Versions of the records ``rows`` (ascending, within the matched records of ``parts``), each
-    node's rows written once into the padded result."""
-    width = max((node.slots.shape[1] for node, _ in parts), default=1)
-    slots = np.full((rows.size, width), _EMPTY, dtype=np.int64)
-    positions = np.full((rows.size, width), _EMPTY, dtype=np.int64)
-    start = 0
-    for node, common in parts:
-        lo, hi = np.searchsorted(rows, [start, start + common]).tolist()
-        if hi > lo:
-            local = rows[lo:hi] - start
-            first, last = int(local[0]), int(local[-1])
-            index = slice(first, last + 1) if last - first + 1 == hi - lo else local
-            w = node.slots.shape[1]
-            slots[lo:hi, :w] = node.slots[index]
-            positions[lo:hi, :w] = node.positions[index]
-        start += common
-    return slots, positions
 
 
 def _span(tokens: np.ndarray, records: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | slice]:
