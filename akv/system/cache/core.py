@@ -251,10 +251,9 @@ class CacheCore:
         plan = request.resolved_plan()
         self._take(request)
         tokens, positions, version_slots = _own_versions(request, plan, slots)
-        n = request.program.n_tokens + ids.size
-        table_slots, table_positions = _as_table(n, tokens, positions, version_slots)
+        given, table_slots, table_positions = _as_rows(tokens, positions, version_slots)
         terminal = np.concatenate([request.program.final_position, request.program.next_position + np.arange(ids.size)])
-        self.tree.insert(request.key.with_tokens(ids), table_slots, table_positions, terminal.astype(np.int64))
+        self.tree.publish(request.key.with_tokens(ids), given, table_slots, table_positions, terminal.astype(np.int64))
         self._release(request, slots)
 
     def abort(self, request: ActiveRequest) -> None:
@@ -312,17 +311,18 @@ def _own_versions(request: ActiveRequest, plan: RequestPlan,
             np.concatenate([all_slots[last], generated_slots]).astype(np.int64))
 
 
-def _as_table(n: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token rows of versions, -1 padded."""
+def _as_rows(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct ``tokens`` (ascending) and, per one, a row of its versions' slots and positions, -1 padded."""
     order = np.argsort(tokens, kind="stable")
     tokens, positions, slots = tokens[order], positions[order], slots[order]
     index = np.arange(tokens.size)
     starts = np.ones(tokens.size, dtype=bool)  # the first version of each token (tokens sorted: one pass)
     starts[1:] = tokens[1:] != tokens[:-1]
     col = index - np.maximum.accumulate(np.where(starts, index, 0))
+    row = np.cumsum(starts) - 1
     width = int(col.max()) + 1 if col.size else 1
-    table_slots = np.full((n, width), -1, dtype=np.int64)
-    table_positions = np.full((n, width), -1, dtype=np.int64)
-    table_slots[tokens, col] = slots
-    table_positions[tokens, col] = positions
-    return table_slots, table_positions
+    table_slots = np.full((int(np.count_nonzero(starts)), width), -1, dtype=np.int64)
+    table_positions = np.full_like(table_slots, -1)
+    table_slots[row, col] = slots
+    table_positions[row, col] = positions
+    return tokens[starts], table_slots, table_positions

@@ -118,6 +118,8 @@ class RadixTree:
         self._refreshes = 0
         self._spare: tuple[tuple[int, int], int] | None = None
         self.epoch = 0
+        self._shape = 0  # changes of the tree's structure (nodes added, split or removed)
+        self._last_path: tuple[RecordKey, int, list[tuple[TreeNode, int]]] | None = None
 
     @property
     def n_nodes(self) -> int:
@@ -195,7 +197,7 @@ class RadixTree:
         leaf the match covers whole (the request's own earlier turn, whose end its publication
         replaces). Rows of ``match.slots`` for ``tokens`` (matched token indexes; default all)."""
         tokens = np.arange(match.n_tokens) if tokens is None else np.asarray(tokens, dtype=np.int64)
-        out = np.zeros((tokens.size, match.slots.shape[1]), dtype=bool)
+        out = np.zeros((tokens.size, match.width), dtype=bool)
         parts = self._path(key)
         rows = key.token_record[tokens]
         if not parts or rows.size == 0:
@@ -256,7 +258,11 @@ class RadixTree:
 
     def _path(self, key: RecordKey) -> list[tuple[TreeNode, int]]:
         """The nodes ``key`` runs through and how many of each one's records it matches (as
-        :meth:`match`, without touching them)."""
+        :meth:`match`, without touching them). The last key's path is kept while the structure holds
+        (a request's match, mark, plan and commit walk the same path)."""
+        last = self._last_path
+        if last is not None and last[0] is key and last[1] == self._shape:
+            return list(last[2])
         node = self._root(key.namespace)
         records = key.records
         parts: list[tuple[TreeNode, int]] = []
@@ -271,6 +277,7 @@ class RadixTree:
             if common < child.key.shape[0]:
                 break
             node = child
+        self._last_path = (key, self._shape, list(parts))
         return parts
 
     def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> np.ndarray:
@@ -288,12 +295,30 @@ class RadixTree:
                 raise TreeError(f"{name}: expected shape ({n}, width), got {arr.shape}")
         if slots.shape != positions.shape:
             raise TreeError(f"positions: shape {positions.shape} differs from slots {slots.shape}")
+        given = np.flatnonzero(slots[:, 0] >= 0 if slots.shape[1] == 1 else (slots >= 0).any(axis=1))
+        resident = slots.copy()
+        resident[given] = self.publish(key, given, slots[given], positions[given], terminal)
+        return resident
+
+    def publish(self, key: RecordKey, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                terminal: np.ndarray) -> np.ndarray:
+        """:meth:`insert` of only the tokens given versions: ``slots[i, j]`` at ``positions[i, j]``
+        (-1 = none) are versions of token ``tokens[i]`` (ascending, distinct). Reads and writes only
+        the rows of those tokens (and the records of a new leaf); returns ``slots``' resident slots."""
+        n = key.n_tokens
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or (tokens.size and (tokens[0] < 0 or tokens[-1] >= n or (np.diff(tokens) <= 0).any())):
+            raise TreeError(f"tokens: expected distinct ascending token indexes below {n}, got {tokens[:8].tolist()}")
+        for name, arr in (("slots", slots), ("positions", positions)):
+            if arr.ndim != 2 or arr.shape[0] != tokens.size:
+                raise TreeError(f"{name}: expected shape ({tokens.size}, width), got {arr.shape}")
+        if slots.shape != positions.shape:
+            raise TreeError(f"positions: shape {positions.shape} differs from slots {slots.shape}")
         if terminal.shape != (n,):
             raise TreeError(f"terminal: expected shape ({n},), got {terminal.shape}")
         n_rec = key.records.shape[0]
         positions = np.where(slots >= 0, positions, _EMPTY)
-        given = np.flatnonzero(slots[:, 0] >= 0 if slots.shape[1] == 1 else (slots >= 0).any(axis=1))
-        given_records = key.token_record[given]
+        given_records = key.token_record[tokens]
         resident = slots.copy()
         node = self._root(key.namespace)
         stamp = self._tick()
@@ -301,21 +326,23 @@ class RadixTree:
         i = 0
         while i < n_rec:
             child = node.children.get(int(key.records[i]))
+            lo = int(np.searchsorted(given_records, i))
             if child is None:
-                t = int(np.searchsorted(key.token_record, i))
-                records = key.token_record[t:] - i
-                child, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[t:], records, n_rec - i),
-                                            _spread(positions[t:], records, n_rec - i))
-                resident[t:] = np.take(own, records, axis=0)
+                records = given_records[lo:] - i
+                child, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[lo:], records, n_rec - i),
+                                            _spread(positions[lo:], records, n_rec - i))
+                resident[lo:] = own[records]
                 common = n_rec - i
             else:
                 common = _common_prefix(child.key, key.records[i:])
                 if common < child.key.shape[0]:
                     child = self._split(child, common)
-                lo, hi = np.searchsorted(given_records, [i, i + common]).tolist()
-                if hi > lo:  # only the rows given a version are read (as slices where they are a run)
-                    rows, records = _span(given[lo:hi], given_records[lo:hi] - i)
-                    resident[rows] = self._merge(child, records, slots[rows], positions[rows])
+                hi = int(np.searchsorted(given_records, i + common))
+                if hi > lo:  # only the rows given a version are read (as a slice where they are a run)
+                    records = given_records[lo:hi] - i
+                    first, last = int(records[0]), int(records[-1])
+                    rows = slice(first, last + 1) if last - first + 1 == hi - lo else records
+                    resident[lo:hi] = self._merge(child, rows, slots[lo:hi], positions[lo:hi])
             self._touch(child, stamp)
             i += common
             node = child
@@ -486,6 +513,7 @@ class RadixTree:
                 self.pool.tree_decref(held)
             node.parent = None
         self._roots.clear()
+        self._shape += 1
         self._leaves.clear()
         self._dirty.clear()
         self._unread.clear()
@@ -500,6 +528,7 @@ class RadixTree:
             empty = np.zeros((0, 1), dtype=np.int64)
             root = TreeNode(np.zeros(0, dtype=np.int64), empty, empty.copy(), next(self._uids))
             self._roots[namespace] = root
+            self._shape += 1
         return root
 
     def _nodes(self) -> list[TreeNode]:
@@ -552,6 +581,7 @@ class RadixTree:
         node.parent = parent
         parent.children[int(key[0])] = node
         self._n_nodes += 1
+        self._shape += 1
         if slots.shape[1] > 1:
             return node, self._merge(node, slice(0, key.shape[0]), slots, positions)
         held = slots[:, 0] >= 0
@@ -578,6 +608,7 @@ class RadixTree:
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self._n_nodes += 1
+        self._shape += 1
         return upper
 
     def _merge(self, node: TreeNode, rows: np.ndarray | slice, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -634,6 +665,7 @@ class RadixTree:
             del parent.children[int(node.key[0])]
             node.parent = None
             self._n_nodes -= 1
+            self._shape += 1
             self._changed(node)
             if parent.attached and not parent.children:
                 self._push(self._leaves, parent)
@@ -670,16 +702,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     k = min(a.shape[0], b.shape[0])
     diff = np.flatnonzero(a[:k] != b[:k])
     return int(diff[0]) if diff.size else k
-
-
-def _span(tokens: np.ndarray, records: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | slice]:
-    """Token rows and node records of the versions given to one node (ascending, in step), as the
-    slices spanning them when no event record lies between them and they fill at least a quarter
-    of the span (rows between hold no version, so the merge skips them), else as they are."""
-    n_tokens = int(tokens[-1]) - int(tokens[0]) + 1
-    if n_tokens == int(records[-1]) - int(records[0]) + 1 and 4 * tokens.size >= n_tokens:
-        return slice(int(tokens[0]), int(tokens[-1]) + 1), slice(int(records[0]), int(records[-1]) + 1)
-    return tokens, records
 
 
 def _spread(values: np.ndarray, token_record: np.ndarray, n_records: int) -> np.ndarray:
