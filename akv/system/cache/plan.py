@@ -17,14 +17,15 @@ from akv.system.arrays import frozen, in_sorted
 
 class VersionRuns:
     """The versions a match found, as the tree held them then: runs of consecutive records, each
-    ``(slots, positions)`` arrays of shape (records, width) that nothing writes again (the tree
-    replaces a node's arrays instead of editing them), ``starts[i]`` the first record of run ``i``;
+    ``(slots, positions, held)``: arrays of shape (records, width) that nothing writes again (the tree
+    replaces a node's arrays instead of editing them) and whether each record holds a version (or
+    None: computed here), ``starts[i]`` the first record of run ``i``;
     ``token_record[t]``: the record of matched token ``t``; versions in ``hidden`` (ascending slots)
     count as absent."""
 
     __slots__ = ("runs", "starts", "token_record", "hidden", "width")
 
-    def __init__(self, runs: list[tuple[np.ndarray, np.ndarray]], starts: np.ndarray, token_record: np.ndarray,
+    def __init__(self, runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], starts: np.ndarray, token_record: np.ndarray,
                  hidden: np.ndarray | None = None) -> None:
         self.runs = runs
         self.starts = starts
@@ -45,7 +46,7 @@ class VersionRuns:
         if rows.size == 0:
             return slots, positions
         bounds = np.searchsorted(rows, np.append(self.starts, np.iinfo(np.int64).max)).tolist()
-        for i, (run_slots, run_positions) in enumerate(self.runs):
+        for i, (run_slots, run_positions, _) in enumerate(self.runs):
             lo, hi = bounds[i], bounds[i + 1]
             if hi == lo:
                 continue
@@ -78,7 +79,7 @@ class MatchResult:
     def of(cls, n_tokens: int, n_records: int, slots: np.ndarray, positions: np.ndarray) -> MatchResult:
         """A match holding the given tables (row ``t``: token ``t``'s versions)."""
         slots, positions = np.asarray(slots, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-        source = VersionRuns([(frozen(slots), frozen(positions))], np.zeros(1, np.int64),
+        source = VersionRuns([(frozen(slots), frozen(positions), None)], np.zeros(1, np.int64),
                              frozen(np.arange(n_tokens, dtype=np.int64)))
         return cls(n_tokens, n_records, source)
 
@@ -111,11 +112,12 @@ class MatchResult:
             held = self.slots >= 0
             return frozen(held.any(axis=1) if held.shape[1] else np.zeros(self.n_tokens, dtype=bool))
         parts = []
-        for run_slots, _ in source.runs:
-            out = run_slots[:, 0] >= 0
-            for j in range(1, run_slots.shape[1]):  # by column: any(axis=1) over a few columns is ~10x slower
-                out |= run_slots[:, j] >= 0
-            parts.append(out)
+        for run_slots, _, held in source.runs:
+            if held is None:
+                held = run_slots[:, 0] >= 0
+                for j in range(1, run_slots.shape[1]):  # by column: any(axis=1) over a few columns is ~10x slower
+                    held |= run_slots[:, j] >= 0
+            parts.append(held)
         held = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
         return frozen(held[source.token_record[: self.n_tokens]] if self.n_tokens else np.zeros(0, dtype=bool))
 

@@ -61,7 +61,7 @@ class TreeNode:
     ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
     __slots__ = ("key", "n_tokens", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
-                 "last_access", "uid", "changes", "read_changes", "shared")
+                 "last_access", "uid", "changes", "read_changes", "shared", "_held")
 
     def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
                  read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
@@ -79,6 +79,7 @@ class TreeNode:
         self.changes = 0  # edits of its records or versions (what a match of a path through it returns)
         self.read_changes = 0  # edits of its read counts or terminal (which versions a request may take)
         self.shared = False  # a match holds its version arrays: copy them before writing
+        self._held: np.ndarray | None = None  # per record: some version is resident (None: not known)
 
     def writable(self) -> None:
         """Make the version arrays safe to write in place (a match made earlier keeps what it saw)."""
@@ -92,6 +93,17 @@ class TreeNode:
 
     def has_versions(self) -> bool:
         return bool((self.slots >= 0).any())
+
+    def held(self) -> np.ndarray:
+        """Per record: at least one version is resident (kept until the versions change; never
+        written in place, so a match may hold it)."""
+        if self._held is None:
+            out = self.slots[:, 0] >= 0
+            for j in range(1, self.slots.shape[1]):  # by column: any(axis=1) over a few columns is ~10x slower
+                out |= self.slots[:, j] >= 0
+            out.flags.writeable = False
+            self._held = out
+        return self._held
 
     def ranked(self) -> tuple[np.ndarray, np.ndarray]:
         """Cell masks: versions of tokens no recorded path keeps, and versions no recorded path reads."""
@@ -149,9 +161,12 @@ class RadixTree:
             self._touch(child, stamp)
         i = sum(common for _, common in parts)
         n_tokens = key.tokens_within(i)
-        for node, _ in parts:
+        runs = []
+        for node, common in parts:
             node.shared = True
-        runs = [(node.slots[:common], node.positions[:common]) for node, common in parts]
+            whole = common == node.key.shape[0]  # the match reads no row it does not ask for
+            slots, positions, held = node.slots, node.positions, node.held()
+            runs.append((slots, positions, held) if whole else (slots[:common], positions[:common], held[:common]))
         starts = np.cumsum([0] + [common for _, common in parts[:-1]]).astype(np.int64)
         source = VersionRuns(runs, starts, key.token_record[:n_tokens], hidden)
         return MatchResult(n_tokens=n_tokens, n_records=i, source=source)
@@ -547,6 +562,7 @@ class RadixTree:
             node.read_changes += 1
         else:
             node.changes += 1
+            node._held = None
         self._dirty.add(node)
 
     def _tick(self) -> int:
