@@ -166,7 +166,7 @@ def plan_occurrences(program: ContextProgram, match: MatchResult, *, compact: bo
         visible = np.flatnonzero(program.visible_until[: span.start] > span.start)
         at_stage = _last_stage_positions(program, span.stage, visible)
         if at_stage is None:
-            at_stage = stages.at(span.stage)[visible]
+            at_stage = stages.at(span.stage, visible)
         prefix_slots, copies = table.resolve(visible, at_stage, step)
         tokens = np.arange(span.start, span.end, dtype=np.int64)
         births = frozen(table.fresh(tokens.size, step, pinned=False) if compact else -2 - tokens, np.int64)
