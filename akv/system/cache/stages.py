@@ -19,9 +19,11 @@ class StagePositions:
     def __init__(self, program: ContextProgram) -> None:
         self._moves = [t for t in program.transitions if t.tokens.size]
         self._events = np.asarray([t.event for t in self._moves], dtype=np.int64)
-        # the least token moved by the first k transitions (tokens below it never moved before them)
+        # the least and the greatest token the first k transitions moved (none outside moved before them)
         firsts = np.asarray([int(t.tokens[0]) for t in self._moves], dtype=np.int64)
+        lasts = np.asarray([int(t.tokens[-1]) for t in self._moves], dtype=np.int64)
         self._lowest = np.minimum.accumulate(firsts) if firsts.size else firsts
+        self._highest = np.maximum.accumulate(lasts) if lasts.size else lasts
         self._birth = program.birth_position
         self._n_stages = program.n_stages
 
@@ -36,6 +38,7 @@ class StagePositions:
             return out
         pending = np.arange(int(np.searchsorted(tokens, self._lowest[k - 1])), tokens.size)
         for j in range(k - 1, -1, -1):
+            pending = pending[: int(np.searchsorted(tokens[pending], self._highest[j], side="right"))]
             if pending.size == 0 or tokens[pending[-1]] < self._lowest[j]:
                 break  # the tokens left were never moved before this point
             move = self._moves[j]
