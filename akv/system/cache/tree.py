@@ -274,14 +274,26 @@ class RadixTree:
     def _path(self, key: RecordKey) -> list[tuple[TreeNode, int]]:
         """The nodes ``key`` runs through and how many of each one's records it matches (as
         :meth:`match`, without touching them). The last key's path is kept while the structure holds
-        (a request's match, mark, plan and commit walk the same path)."""
+        (a request's match, mark, plan and commit walk the same path), and a key extending it
+        (:attr:`RecordKey.base`: what a request publishes) walks on from its end."""
         last = self._last_path
-        if last is not None and last[0] is key and last[1] == self._shape:
-            return list(last[2])
-        node = self._root(key.namespace)
-        records = key.records
         parts: list[tuple[TreeNode, int]] = []
-        i = 0
+        node, i = self._root(key.namespace), 0
+        records = key.records
+        if last is not None and last[1] == self._shape and (last[0] is key or key.base is last[0]):
+            if last[0] is key:
+                return list(last[2])
+            parts = list(last[2])
+            i = sum(common for _, common in parts)
+            if parts:
+                node, common = parts[-1]
+                if common < node.key.shape[0]:  # stopped inside the node: a mismatch, or the base's end
+                    more = _common_prefix(node.key[common:], records[i:])
+                    parts[-1] = (node, common + more)
+                    i += more
+                    if common + more < node.key.shape[0]:
+                        self._last_path = (key, self._shape, list(parts))
+                        return parts
         while i < records.shape[0]:
             child = node.children.get(int(records[i]))
             if child is None:
@@ -335,32 +347,30 @@ class RadixTree:
         positions = np.where(slots >= 0, positions, _EMPTY)
         given_records = key.token_record[tokens]
         resident = slots.copy()
+        parts = self._path(key)
+        ends = np.cumsum([common for _, common in parts], dtype=np.int64)
+        bounds = np.searchsorted(given_records, ends).tolist()  # the given rows within each part
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
-        i = 0
-        while i < n_rec:
-            child = node.children.get(int(key.records[i]))
-            lo = int(np.searchsorted(given_records, i))
-            if child is None:
-                records = given_records[lo:] - i
-                child, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[lo:], records, n_rec - i),
-                                            _spread(positions[lo:], records, n_rec - i))
-                resident[lo:] = own[records]
-                common = n_rec - i
-            else:
-                common = _common_prefix(child.key, key.records[i:])
-                if common < child.key.shape[0]:
-                    child = self._split(child, common)
-                hi = int(np.searchsorted(given_records, i + common))
-                if hi > lo:  # only the rows given a version are read (as a slice where they are a run)
-                    records = given_records[lo:hi] - i
-                    first, last = int(records[0]), int(records[-1])
-                    rows = slice(first, last + 1) if last - first + 1 == hi - lo else records
-                    resident[lo:hi] = self._merge(child, rows, slots[lo:hi], positions[lo:hi])
+        i, lo = 0, 0
+        for (child, common), hi in zip(parts, bounds):
+            if common < child.key.shape[0]:
+                child = self._split(child, common)
+            if hi > lo:  # only the rows given a version are read (as a slice where they are a run)
+                records = given_records[lo:hi] - i
+                first, last = int(records[0]), int(records[-1])
+                rows = slice(first, last + 1) if last - first + 1 == hi - lo else records
+                resident[lo:hi] = self._merge(child, rows, slots[lo:hi], positions[lo:hi])
             self._touch(child, stamp)
-            i += common
-            node = child
+            i, lo, node = i + common, hi, child
+        if i < n_rec:
+            records = given_records[lo:] - i
+            leaf, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[lo:], records, n_rec - i),
+                                       _spread(positions[lo:], records, n_rec - i))
+            resident[lo:] = own[records]
+            self._touch(leaf, stamp)
+            node = leaf
         if n_rec and not node.children:
             self._end_path(node, np.asarray(terminal, dtype=np.int64))
         return resident
