@@ -219,7 +219,6 @@ class RadixTree:
             return out
         lengths = np.asarray([common for _, common in parts], dtype=np.int64)
         ends = np.cumsum(lengths)
-        which = np.searchsorted(ends, rows, side="right")
         leaf, common = parts[-1]
         end_reads = None
         if (common == leaf.key.shape[0] and not leaf.children and leaf.terminal is not None
@@ -227,10 +226,19 @@ class RadixTree:
             end_reads = leaf.terminal[tokens]
         slots, positions = match.versions(tokens)
         free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
+        ordered = rows.size < 2 or not (rows[1:] < rows[:-1]).any()
+        bounds = np.searchsorted(rows, np.concatenate([[0], ends])).tolist() if ordered else None
+        which = None if ordered else np.searchsorted(ends, rows, side="right")
         for p, (node, _) in enumerate(parts):
-            mine = np.flatnonzero(which == p) if len(parts) > 1 else np.arange(tokens.size)
-            if mine.size == 0:
-                continue
+            if bounds is not None:  # ascending rows (as a plan asks): each node's are a run
+                if bounds[p + 1] == bounds[p]:
+                    continue
+                mine = np.arange(bounds[p], bounds[p + 1])
+            else:
+                assert which is not None
+                mine = np.flatnonzero(which == p)
+                if mine.size == 0:
+                    continue
             local = rows[mine] - (ends[p] - lengths[p])
             read_pos, read_cnt = node.read_pos[local], node.read_cnt[local]
             counts = ((positions[mine][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
