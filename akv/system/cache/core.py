@@ -93,7 +93,8 @@ class CacheCore:
         self._active: dict[int, ActiveRequest] = {}
         self._reserved = np.zeros(pool.size, dtype=np.int64)
         self._n_reserved = 0
-        self._reserved_slots = frozen(np.zeros(0, np.int64), np.int64)  # ascending, those reserved now
+        self._reserved_parts: list[np.ndarray] = []  # every slot reserved now is in one (and maybe more)
+        self._reserved_sorted: np.ndarray | None = None  # those reserved now, ascending (None: not known)
 
     @property
     def active(self) -> int:
@@ -125,7 +126,15 @@ class CacheCore:
     def resident(self, key: RecordKey) -> MatchResult:
         """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
         rotates them in place: they are resident for no one else)."""
-        return self.tree.match(key, self._reserved_slots if self._n_reserved else None)
+        return self.tree.match(key, self._reserved_slots() if self._n_reserved else None)
+
+    def _reserved_slots(self) -> np.ndarray:
+        """The slots reserved now, ascending (sorted once per change of the reservations)."""
+        if self._reserved_sorted is None:
+            listed = np.unique(np.concatenate(self._reserved_parts or [np.zeros(0, np.int64)]))
+            self._reserved_sorted = frozen(listed[self._reserved[listed] > 0], np.int64)
+            self._reserved_parts = [self._reserved_sorted]
+        return self._reserved_sorted
 
     def reserve(self, slots: np.ndarray) -> None:
         """Set aside tree versions a locked draft rotates in place, until :meth:`unreserve`: later
@@ -133,14 +142,18 @@ class CacheCore:
         slots = np.asarray(slots, dtype=np.int64)
         np.add.at(self._reserved, slots, 1)
         self._n_reserved += slots.size
-        self._reserved_slots = frozen(np.union1d(self._reserved_slots, slots), np.int64)
+        if slots.size:
+            self._reserved_parts.append(slots)
+            self._reserved_sorted = None
 
     def unreserve(self, slots: np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64)
         np.subtract.at(self._reserved, slots, 1)
         self._n_reserved -= slots.size
-        kept = self._reserved_slots
-        self._reserved_slots = frozen(kept[self._reserved[kept] > 0], np.int64)
+        if slots.size:
+            self._reserved_sorted = None
+        if not self._n_reserved:
+            self._reserved_parts = []
 
     def reads_reserved(self, draft: Draft) -> bool:
         """Whether ``draft`` reads a version set aside since it was planned (it must be planned again)."""
