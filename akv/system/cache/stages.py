@@ -37,19 +37,22 @@ class StagePositions:
         if k == 0 or tokens.size == 0:
             return out
         pending = np.arange(int(np.searchsorted(tokens, self._lowest[k - 1])), tokens.size)
+        open_tokens = tokens[pending]
         for j in range(k - 1, -1, -1):
-            pending = pending[: int(np.searchsorted(tokens[pending], self._highest[j], side="right"))]
-            if pending.size == 0 or tokens[pending[-1]] < self._lowest[j]:
+            top = int(np.searchsorted(open_tokens, self._highest[j], side="right"))
+            pending, open_tokens = pending[:top], open_tokens[:top]
+            if top == 0 or open_tokens[-1] < self._lowest[j]:
                 break  # the tokens left were never moved before this point
             move = self._moves[j]
-            open_tokens = tokens[pending]
-            lo, hi = np.searchsorted(open_tokens, [int(move.tokens[0]), int(move.tokens[-1]) + 1]).tolist()
+            lo, hi = np.searchsorted(open_tokens, (move.tokens[0], move.tokens[-1] + 1)).tolist()
             if hi == lo:
                 continue
             found = np.minimum(np.searchsorted(move.tokens, open_tokens[lo:hi]), move.tokens.size - 1)
             hit = move.tokens[found] == open_tokens[lo:hi]
+            if not hit.any():
+                continue
             out[pending[lo:hi][hit]] = move.new_positions[found[hit]]
             left = np.ones(pending.size, dtype=bool)
             left[lo:hi] = ~hit
-            pending = pending[left]
+            pending, open_tokens = pending[left], open_tokens[left]
         return out

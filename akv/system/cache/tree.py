@@ -512,8 +512,16 @@ class RadixTree:
             nodes.append(node)
             stop += node.n_tokens
             node = node.parent
+        if tokens.size == 0:
+            return
+        first, last = int(tokens[0]), int(tokens[-1])
         for node in nodes:
             start = stop - node.n_tokens
+            if start > last or stop <= first:  # none of the tokens is here
+                stop = start
+                if stop <= first:
+                    break
+                continue
             lo, hi = np.searchsorted(tokens, [start, stop]).tolist()
             stop = start
             if hi == lo:
