@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from akv.system.arrays import first_true, frozen
+from akv.system.arrays import first_true
 from akv.system.cache.keys import RecordKey
 from akv.system.cache.plan import MatchResult, VersionRuns
 from akv.system.cache.pool import SlotPool
