@@ -18,15 +18,15 @@ from akv.system.arrays import frozen, in_sorted
 class VersionRuns:
     """The versions a match found, as the tree held them then: runs of consecutive records, each
     ``(slots, positions, held)``: arrays of shape (records, width) that nothing writes again (the tree
-    replaces a node's arrays instead of editing them) and whether each record holds a version (or
-    None: computed here), ``starts[i]`` the first record of run ``i``;
-    ``token_record[t]``: the record of matched token ``t``; versions in ``hidden`` (ascending slots)
+    copies a node's arrays before editing them while a match holds them) and whether each record
+    holds a version (None: computed here); ``starts[i]`` is the first record of run ``i``,
+    ``token_record[t]`` the record of matched token ``t``; versions in ``hidden`` (ascending slots)
     count as absent."""
 
     __slots__ = ("runs", "starts", "token_record", "hidden", "width")
 
-    def __init__(self, runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], starts: np.ndarray, token_record: np.ndarray,
-                 hidden: np.ndarray | None = None) -> None:
+    def __init__(self, runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], starts: np.ndarray,
+                 token_record: np.ndarray, hidden: np.ndarray | None = None) -> None:
         self.runs = runs
         self.starts = starts
         self.token_record = token_record
