@@ -25,7 +25,7 @@ def test_copies_read_the_birth_version_wherever_it_sits() -> None:
     for t in range(n_matched):
         slots[t] = [100 + t, 200 + t]
         positions[t] = [40 + t, program.birth_position[t]]
-    draft = plan_occurrences(program, MatchResult(n_matched, n_matched, slots, positions))
+    draft = plan_occurrences(program, MatchResult.of(n_matched, n_matched, slots, positions))
     jobs = [job for job in draft.plan.copies if job.size]
     moved = np.concatenate([job.tokens for job in jobs])
     assert sorted(moved.tolist()) == [2, 3, 4, 5], "messages 1 and 2 are re-rotated"

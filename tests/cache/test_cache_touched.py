@@ -1,6 +1,7 @@
-"""Host work of a next turn scales with what it computes and reads, not with the dropped text: committing
-and publishing an agent's turn neither reads nor writes the tree nodes that hold only messages it
-dropped on earlier turns (issues #29, #30). Counted on the nodes' arrays themselves."""
+"""Host work of a next turn scales with what it computes and reads, not with the dropped text: matching,
+planning, committing and publishing an agent's turn neither read nor write the versions of the tree
+nodes that hold only messages it dropped on earlier turns (issues #28, #29, #30). Counted on the
+nodes' arrays themselves."""
 
 from __future__ import annotations
 
@@ -54,22 +55,31 @@ def _program(messages: list[np.ndarray], drops: dict[str, list[int]], reposition
     return compile_program(ids, owners, rules, turn + 1)
 
 
-def _serve(core: CacheCore, program: Any, reply: np.ndarray, watch: set[int] | None = None) -> int:
+def _serve(core: CacheCore, program: Any, reply: np.ndarray, watch: set[int] | None = None,
+           from_match: bool = False) -> int:
     """One turn: match, commit with births, publish with one generated token (the next message's
     first, so the next turn continues the path). ``watch``: tokens whose nodes are counted from the
-    commit on (nodes holding only those tokens); returns the touches counted there."""
+    commit on (``from_match``: from the match on) (nodes holding only those tokens); returns the
+    touches counted there."""
+    if watch is not None and from_match:
+        _watch(core, program, watch)
     draft = core.match(program, in_place=True)
-    watched = []
-    if watch is not None:
-        watched = _nodes_holding_only(core, program_key(program), watch)
-        assert len(watched) >= TURNS - 2 * KEEP - 2, "the path keeps a node per dropped message"
-        for node in watched:
-            node.slots, node.positions = node.slots.view(Watched), node.positions.view(Watched)
-    Watched.touches = 0
+    if watch is not None and not from_match:
+        _watch(core, program, watch)
+    Watched.touches = 0 if not from_match else Watched.touches
     request = core.admit_draft(draft)
     generated = core.pool.alloc(1)
     core.finish(request, reply[:1], generated)
     return Watched.touches
+
+
+def _watch(core: CacheCore, program: Any, tokens: set[int]) -> None:
+    """Count from now on every access to the versions of the nodes holding only ``tokens``."""
+    watched = _nodes_holding_only(core, program_key(program), tokens)
+    assert len(watched) >= TURNS - 2 * KEEP - 2, "the path keeps a node per dropped message"
+    for node in watched:
+        node.slots, node.positions = node.slots.view(Watched), node.positions.view(Watched)
+    Watched.touches = 0
 
 
 def _nodes_holding_only(core: CacheCore, key: Any, tokens: set[int]) -> list[Any]:
@@ -96,6 +106,22 @@ def test_a_turn_leaves_the_nodes_of_earlier_dropped_messages_untouched() -> None
     dropped_before = {t for a, ms in drops.items() if int(a) < last for m in ms
                       for t in range(m * LENGTH, (m + 1) * LENGTH)}
     touches = _serve(core, _program(messages, drops, repositions, last), messages[last + 1], watch=dropped_before)
+    assert touches == 0
+
+
+def test_a_whole_turn_from_its_match_leaves_those_nodes_untouched() -> None:
+    """Matching and planning the turn too: the match reads the versions of only the rows the plan
+    reads, not a text-length table of every matched token's."""
+    rng = np.random.default_rng(1)
+    messages, drops, repositions = _agent(rng)
+    core = CacheCore(SlotPool(20_000))
+    last = TURNS - 1
+    for turn in range(last):
+        _serve(core, _program(messages, drops, repositions, turn), messages[turn + 1])
+    dropped_before = {t for a, ms in drops.items() if int(a) < last for m in ms
+                      for t in range(m * LENGTH, (m + 1) * LENGTH)}
+    program = _program(messages, drops, repositions, last)
+    touches = _serve(core, program, messages[last + 1], watch=dropped_before, from_match=True)
     assert touches == 0
 
 

@@ -93,6 +93,8 @@ class CacheCore:
         self._active: dict[int, ActiveRequest] = {}
         self._reserved = np.zeros(pool.size + 1, dtype=np.int64)  # by slot: slots are 1..size
         self._n_reserved = 0
+        self._reserved_parts: list[np.ndarray] = []  # every slot reserved now is in one (and maybe more)
+        self._reserved_sorted: np.ndarray | None = None  # those reserved now, ascending (None: not known)
 
     @property
     def active(self) -> int:
@@ -124,14 +126,15 @@ class CacheCore:
     def resident(self, key: RecordKey) -> MatchResult:
         """The tree's match of ``key`` less the versions :meth:`reserve` set aside (another request
         rotates them in place: they are resident for no one else)."""
-        match = self.tree.match(key)
-        if not self._n_reserved or not match.n_tokens:
-            return match
-        gone = (match.slots >= 0) & (self._reserved[np.maximum(match.slots, 0)] > 0)
-        if not gone.any():
-            return match
-        return MatchResult(match.n_tokens, match.n_records, frozen(np.where(gone, -1, match.slots), np.int64),
-                           frozen(np.where(gone, -1, match.positions), np.int64))
+        return self.tree.match(key, self._reserved_slots() if self._n_reserved else None)
+
+    def _reserved_slots(self) -> np.ndarray:
+        """The slots reserved now, ascending (sorted once per change of the reservations)."""
+        if self._reserved_sorted is None:
+            listed = np.unique(np.concatenate(self._reserved_parts or [np.zeros(0, np.int64)]))
+            self._reserved_sorted = frozen(listed[self._reserved[listed] > 0], np.int64)
+            self._reserved_parts = [self._reserved_sorted]
+        return self._reserved_sorted
 
     def reserve(self, slots: np.ndarray) -> None:
         """Set aside tree versions a locked draft rotates in place, until :meth:`unreserve`: later
@@ -139,11 +142,18 @@ class CacheCore:
         slots = np.asarray(slots, dtype=np.int64)
         np.add.at(self._reserved, slots, 1)
         self._n_reserved += slots.size
+        if slots.size:
+            self._reserved_parts.append(slots)
+            self._reserved_sorted = None
 
     def unreserve(self, slots: np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64)
         np.subtract.at(self._reserved, slots, 1)
         self._n_reserved -= slots.size
+        if slots.size:
+            self._reserved_sorted = None
+        if not self._n_reserved:
+            self._reserved_parts = []
 
     def reads_reserved(self, draft: Draft) -> bool:
         """Whether ``draft`` reads a version set aside since it was planned (it must be planned again)."""
@@ -254,10 +264,9 @@ class CacheCore:
         plan = request.resolved_plan()
         self._take(request)
         tokens, positions, version_slots = _own_versions(request, plan, slots)
-        n = request.program.n_tokens + ids.size
-        table_slots, table_positions = _as_table(n, tokens, positions, version_slots)
+        given, table_slots, table_positions = _as_rows(tokens, positions, version_slots)
         terminal = np.concatenate([request.program.final_position, request.program.next_position + np.arange(ids.size)])
-        self.tree.insert(request.key.with_tokens(ids), table_slots, table_positions, terminal.astype(np.int64))
+        self.tree.publish(request.key.with_tokens(ids), given, table_slots, table_positions, terminal.astype(np.int64))
         self._release(request, slots)
 
     def abort(self, request: ActiveRequest) -> None:
@@ -315,17 +324,18 @@ def _own_versions(request: ActiveRequest, plan: RequestPlan,
             np.concatenate([all_slots[last], generated_slots]).astype(np.int64))
 
 
-def _as_table(n: int, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token rows of versions, -1 padded."""
+def _as_rows(tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct ``tokens`` (ascending) and, per one, a row of its versions' slots and positions, -1 padded."""
     order = np.argsort(tokens, kind="stable")
     tokens, positions, slots = tokens[order], positions[order], slots[order]
     index = np.arange(tokens.size)
     starts = np.ones(tokens.size, dtype=bool)  # the first version of each token (tokens sorted: one pass)
     starts[1:] = tokens[1:] != tokens[:-1]
     col = index - np.maximum.accumulate(np.where(starts, index, 0))
+    row = np.cumsum(starts) - 1
     width = int(col.max()) + 1 if col.size else 1
-    table_slots = np.full((n, width), -1, dtype=np.int64)
-    table_positions = np.full((n, width), -1, dtype=np.int64)
-    table_slots[tokens, col] = slots
-    table_positions[tokens, col] = positions
-    return table_slots, table_positions
+    table_slots = np.full((int(np.count_nonzero(starts)), width), -1, dtype=np.int64)
+    table_positions = np.full_like(table_slots, -1)
+    table_slots[row, col] = slots
+    table_positions[row, col] = positions
+    return tokens[starts], table_slots, table_positions

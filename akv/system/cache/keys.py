@@ -14,7 +14,7 @@ because the KV after them is the same as without them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,11 +33,13 @@ class CacheKeyError(ValueError):
 
 @dataclass(frozen=True)
 class RecordKey:
-    """One request's prefix key: ``records`` (int64) and the record index of every token."""
+    """One request's prefix key: ``records`` (int64) and the record index of every token; ``base``: the
+    key it extends (:meth:`with_tokens`), whose records begin its own."""
 
     records: np.ndarray
     token_record: np.ndarray
     namespace: str = ""
+    base: RecordKey | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -55,6 +57,7 @@ class RecordKey:
             records=frozen(np.concatenate([self.records, ids]), np.int64),
             token_record=frozen(np.concatenate([self.token_record, np.arange(start, start + ids.size)]), np.int64),
             namespace=self.namespace,
+            base=self,
         )
 
 

@@ -8,36 +8,124 @@ can be shared between requests and tree branches freely.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
-from akv.system.arrays import frozen
+from akv.system.arrays import frozen, in_sorted
 
 
-@dataclass(frozen=True)
+class VersionRuns:
+    """The versions a match found, as the tree held them then: runs of consecutive records, each
+    ``(slots, positions, held)``: arrays of shape (records, width) that nothing writes again (the tree
+    copies a node's arrays before editing them while a match holds them) and whether each record
+    holds a version (None: computed here); ``starts[i]`` is the first record of run ``i``,
+    ``token_record[t]`` the record of matched token ``t``; versions in ``hidden`` (ascending slots)
+    count as absent."""
+
+    __slots__ = ("runs", "starts", "token_record", "hidden", "width")
+
+    def __init__(self, runs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], starts: np.ndarray,
+                 token_record: np.ndarray, hidden: np.ndarray | None = None) -> None:
+        self.runs = runs
+        self.starts = starts
+        self.token_record = token_record
+        self.hidden = hidden if hidden is not None and hidden.size else None
+        self.width = max((r[0].shape[1] for r in runs), default=1)
+
+    def gather(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Versions of matched ``tokens``, -1 padded to ``width`` columns; reads only their rows."""
+        rows = self.token_record[tokens]
+        if rows.size > 1 and (rows[1:] < rows[:-1]).any():
+            order = np.argsort(rows, kind="stable")
+            slots, positions = np.empty((rows.size, self.width), np.int64), np.empty((rows.size, self.width), np.int64)
+            slots[order], positions[order] = self.gather(tokens[order])
+            return slots, positions
+        slots = np.full((rows.size, self.width), -1, dtype=np.int64)
+        positions = np.full((rows.size, self.width), -1, dtype=np.int64)
+        if rows.size == 0:
+            return slots, positions
+        bounds = np.searchsorted(rows, np.append(self.starts, np.iinfo(np.int64).max)).tolist()
+        for i, (run_slots, run_positions, _) in enumerate(self.runs):
+            lo, hi = bounds[i], bounds[i + 1]
+            if hi == lo:
+                continue
+            local = rows[lo:hi] - self.starts[i]
+            first, last = int(local[0]), int(local[-1])
+            index = slice(first, last + 1) if last - first + 1 == hi - lo else local
+            w = run_slots.shape[1]
+            slots[lo:hi, :w] = run_slots[index]
+            positions[lo:hi, :w] = run_positions[index]
+        if self.hidden is not None:
+            gone = (slots >= 0) & in_sorted(self.hidden, slots)
+            slots[gone] = -1
+            positions[gone] = -1
+        return slots, positions
+
+
+@dataclass(frozen=True, eq=False)
 class MatchResult:
     """What the tree holds for a request: ``n_tokens`` tokens whose whole history matched, and for
     each of them the resident versions (``slots[t, j]`` holds K rotated at ``positions[t, j]``; -1
-    pads). ``n_records`` counts matched records, events included."""
+    pads). ``n_records`` counts matched records, events included. The versions are read from
+    ``source`` as they were at the match: :meth:`versions` for some tokens, ``slots`` /
+    ``positions`` for all of them."""
 
     n_tokens: int
     n_records: int
-    slots: np.ndarray
-    positions: np.ndarray
+    source: VersionRuns
+
+    @classmethod
+    def of(cls, n_tokens: int, n_records: int, slots: np.ndarray, positions: np.ndarray) -> MatchResult:
+        """A match holding the given tables (row ``t``: token ``t``'s versions)."""
+        slots, positions = np.asarray(slots, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+        source = VersionRuns([(frozen(slots), frozen(positions), None)], np.zeros(1, np.int64),
+                             frozen(np.arange(n_tokens, dtype=np.int64)))
+        return cls(n_tokens, n_records, source)
 
     @property
+    def width(self) -> int:
+        return self.source.width
+
+    def versions(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, positions)`` rows of matched ``tokens``."""
+        return self.source.gather(np.asarray(tokens, dtype=np.int64))
+
+    @cached_property
+    def _table(self) -> tuple[np.ndarray, np.ndarray]:
+        slots, positions = self.versions(np.arange(self.n_tokens, dtype=np.int64))
+        return frozen(slots), frozen(positions)
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self._table[0]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._table[1]
+
+    @cached_property
     def resident(self) -> np.ndarray:
         """Per matched token: at least one version is resident."""
-        out = self.slots[:, 0] >= 0 if self.slots.shape[1] else np.zeros(self.n_tokens, dtype=bool)
-        for j in range(1, self.slots.shape[1]):  # by column: any(axis=1) over a few columns is ~10x slower
-            out |= self.slots[:, j] >= 0
-        return out
+        source = self.source
+        if source.hidden is not None:
+            held = self.slots >= 0
+            return frozen(held.any(axis=1) if held.shape[1] else np.zeros(self.n_tokens, dtype=bool))
+        parts = []
+        for run_slots, _, held in source.runs:
+            if held is None:
+                held = run_slots[:, 0] >= 0
+                for j in range(1, run_slots.shape[1]):  # by column: any(axis=1) over a few columns is ~10x slower
+                    held |= run_slots[:, j] >= 0
+            parts.append(held)
+        held = np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+        return frozen(held[source.token_record[: self.n_tokens]] if self.n_tokens else np.zeros(0, dtype=bool))
 
     @classmethod
     def empty(cls) -> MatchResult:
         """Nothing resident: what an empty tree (or a cold plan) matches."""
-        none = frozen(np.zeros((0, 1), dtype=np.int64), np.int64)
-        return cls(n_tokens=0, n_records=0, slots=none, positions=none)
+        none = np.zeros((0, 1), dtype=np.int64)
+        return cls.of(0, 0, none, none)
 
 
 @dataclass(frozen=True)

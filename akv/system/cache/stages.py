@@ -8,32 +8,51 @@ from akv.system.context.program import ContextProgram
 
 
 class StagePositions:
-    """Positions at a stage, for every token born by then (later tokens show their birth position).
+    """Positions at a stage of the tokens asked for (a token born later shows its birth position).
 
-    Built by replaying the program's transitions; stages are cheapest asked in increasing order.
+    A token's position at a stage is the new position the last Repos before that stage gave it, or
+    its birth position if none moved it: found by walking the transitions back from the stage, each
+    searched only for the asked tokens in the range it moved, so the work follows the tokens asked
+    and the transitions, not the text.
     """
 
     def __init__(self, program: ContextProgram) -> None:
-        self._moves = {t.event: t for t in program.transitions}
+        self._moves = [t for t in program.transitions if t.tokens.size]
+        self._events = np.asarray([t.event for t in self._moves], dtype=np.int64)
+        # the least and the greatest token the first k transitions moved (none outside moved before them)
+        firsts = np.asarray([int(t.tokens[0]) for t in self._moves], dtype=np.int64)
+        lasts = np.asarray([int(t.tokens[-1]) for t in self._moves], dtype=np.int64)
+        self._lowest = np.minimum.accumulate(firsts) if firsts.size else firsts
+        self._highest = np.maximum.accumulate(lasts) if lasts.size else lasts
         self._birth = program.birth_position
         self._n_stages = program.n_stages
-        self._stage = 0
-        self._current = program.birth_position.copy()
-        self._snapshots: dict[int, np.ndarray] = {}
 
-    def at(self, stage: int) -> np.ndarray:
+    def at(self, stage: int, tokens: np.ndarray) -> np.ndarray:
+        """Positions of ``tokens`` (ascending) at ``stage``."""
         if not 0 <= stage < self._n_stages:
             raise ValueError(f"stage: {stage} is outside 0..{self._n_stages - 1}")
-        if stage in self._snapshots:
-            return self._snapshots[stage]
-        if stage < self._stage:
-            self._stage, self._current = 0, self._birth.copy()
-        while self._stage < stage:
-            move = self._moves.get(self._stage)
-            if move is not None:
-                self._current[move.tokens] = move.new_positions
-            self._stage += 1
-        snapshot = self._current.copy()
-        snapshot.flags.writeable = False
-        self._snapshots[stage] = snapshot
-        return snapshot
+        tokens = np.asarray(tokens, dtype=np.int64)
+        out = self._birth[tokens].copy()
+        k = int(np.searchsorted(self._events, stage, side="left"))  # the transitions before ``stage``
+        if k == 0 or tokens.size == 0:
+            return out
+        pending = np.arange(int(np.searchsorted(tokens, self._lowest[k - 1])), tokens.size)
+        open_tokens = tokens[pending]
+        for j in range(k - 1, -1, -1):
+            top = int(np.searchsorted(open_tokens, self._highest[j], side="right"))
+            pending, open_tokens = pending[:top], open_tokens[:top]
+            if top == 0 or open_tokens[-1] < self._lowest[j]:
+                break  # the tokens left were never moved before this point
+            move = self._moves[j]
+            lo, hi = np.searchsorted(open_tokens, (move.tokens[0], move.tokens[-1] + 1)).tolist()
+            if hi == lo:
+                continue
+            found = np.minimum(np.searchsorted(move.tokens, open_tokens[lo:hi]), move.tokens.size - 1)
+            hit = move.tokens[found] == open_tokens[lo:hi]
+            if not hit.any():
+                continue
+            out[pending[lo:hi][hit]] = move.new_positions[found[hit]]
+            left = np.ones(pending.size, dtype=bool)
+            left[lo:hi] = ~hit
+            pending, open_tokens = pending[left], open_tokens[left]
+        return out

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from akv.system.arrays import first_true, frozen
+from akv.system.arrays import first_true
 from akv.system.cache.keys import RecordKey
-from akv.system.cache.plan import MatchResult
+from akv.system.cache.plan import MatchResult, VersionRuns
 from akv.system.cache.pool import SlotPool
 
 _EMPTY = -1
@@ -61,7 +61,7 @@ class TreeNode:
     ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
 
     __slots__ = ("key", "n_tokens", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
-                 "last_access", "uid", "changes", "read_changes")
+                 "last_access", "uid", "changes", "read_changes", "shared", "_held")
 
     def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
                  read_pos: np.ndarray | None = None, read_cnt: np.ndarray | None = None) -> None:
@@ -78,6 +78,14 @@ class TreeNode:
         self.uid = uid
         self.changes = 0  # edits of its records or versions (what a match of a path through it returns)
         self.read_changes = 0  # edits of its read counts or terminal (which versions a request may take)
+        self.shared = False  # a match holds its version arrays: copy them before writing
+        self._held: np.ndarray | None = None  # per record: some version is resident (None: not known)
+
+    def writable(self) -> None:
+        """Make the version arrays safe to write in place (a match made earlier keeps what it saw)."""
+        if self.shared:
+            self.slots, self.positions = self.slots.copy(), self.positions.copy()
+            self.shared = False
 
     @property
     def attached(self) -> bool:
@@ -85,6 +93,17 @@ class TreeNode:
 
     def has_versions(self) -> bool:
         return bool((self.slots >= 0).any())
+
+    def held(self) -> np.ndarray:
+        """Per record: at least one version is resident (kept until the versions change; never
+        written in place, so a match may hold it)."""
+        if self._held is None:
+            out = self.slots[:, 0] >= 0
+            for j in range(1, self.slots.shape[1]):  # by column: any(axis=1) over a few columns is ~10x slower
+                out |= self.slots[:, j] >= 0
+            out.flags.writeable = False
+            self._held = out
+        return self._held
 
     def ranked(self) -> tuple[np.ndarray, np.ndarray]:
         """Cell masks: versions of tokens no recorded path keeps, and versions no recorded path reads."""
@@ -111,6 +130,8 @@ class RadixTree:
         self._refreshes = 0
         self._spare: tuple[tuple[int, int], int] | None = None
         self.epoch = 0
+        self._shape = 0  # changes of the tree's structure (nodes added, split or removed)
+        self._last_path: tuple[RecordKey, int, list[tuple[TreeNode, int]]] | None = None
 
     @property
     def n_nodes(self) -> int:
@@ -130,16 +151,25 @@ class RadixTree:
         parts = [n.slots[n.slots >= 0] for n in self._nodes()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def match(self, key: RecordKey) -> MatchResult:
-        """Longest record prefix present in the tree, cut back to whole tokens, with their versions."""
+    def match(self, key: RecordKey, hidden: np.ndarray | None = None) -> MatchResult:
+        """Longest record prefix present in the tree, cut back to whole tokens, with their versions
+        (read lazily from the matched nodes as they are now; versions in ``hidden``, ascending slots,
+        count as absent)."""
         parts = self._path(key)
         stamp = self._tick()
         for child, _ in parts:
             self._touch(child, stamp)
         i = sum(common for _, common in parts)
         n_tokens = key.tokens_within(i)
-        slots, positions = _gather(parts, key.token_record[:n_tokens])
-        return MatchResult(n_tokens=n_tokens, n_records=i, slots=frozen(slots), positions=frozen(positions))
+        runs = []
+        for node, common in parts:
+            node.shared = True
+            whole = common == node.key.shape[0]  # the match reads no row it does not ask for
+            slots, positions, held = node.slots, node.positions, node.held()
+            runs.append((slots, positions, held) if whole else (slots[:common], positions[:common], held[:common]))
+        starts = np.cumsum([0] + [common for _, common in parts[:-1]]).astype(np.int64)
+        source = VersionRuns(runs, starts, key.token_record[:n_tokens], hidden)
+        return MatchResult(n_tokens=n_tokens, n_records=i, source=source)
 
     def mark(self, key: RecordKey) -> PathMark:
         """The path ``key`` matches now, to tell later whether a match of it could differ
@@ -182,25 +212,33 @@ class RadixTree:
         leaf the match covers whole (the request's own earlier turn, whose end its publication
         replaces). Rows of ``match.slots`` for ``tokens`` (matched token indexes; default all)."""
         tokens = np.arange(match.n_tokens) if tokens is None else np.asarray(tokens, dtype=np.int64)
-        out = np.zeros((tokens.size, match.slots.shape[1]), dtype=bool)
+        out = np.zeros((tokens.size, match.width), dtype=bool)
         parts = self._path(key)
         rows = key.token_record[tokens]
         if not parts or rows.size == 0:
             return out
         lengths = np.asarray([common for _, common in parts], dtype=np.int64)
         ends = np.cumsum(lengths)
-        which = np.searchsorted(ends, rows, side="right")
         leaf, common = parts[-1]
         end_reads = None
         if (common == leaf.key.shape[0] and not leaf.children and leaf.terminal is not None
                 and leaf.terminal.size >= match.n_tokens):
             end_reads = leaf.terminal[tokens]
-        slots, positions = match.slots[tokens], match.positions[tokens]
+        slots, positions = match.versions(tokens)
         free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
+        ordered = rows.size < 2 or not (rows[1:] < rows[:-1]).any()
+        bounds = np.searchsorted(rows, np.concatenate([[0], ends])).tolist() if ordered else None
+        which = None if ordered else np.searchsorted(ends, rows, side="right")
         for p, (node, _) in enumerate(parts):
-            mine = np.flatnonzero(which == p) if len(parts) > 1 else np.arange(tokens.size)
-            if mine.size == 0:
-                continue
+            if bounds is not None:  # ascending rows (as a plan asks): each node's are a run
+                if bounds[p + 1] == bounds[p]:
+                    continue
+                mine = np.arange(bounds[p], bounds[p + 1])
+            else:
+                assert which is not None
+                mine = np.flatnonzero(which == p)
+                if mine.size == 0:
+                    continue
             local = rows[mine] - (ends[p] - lengths[p])
             read_pos, read_cnt = node.read_pos[local], node.read_cnt[local]
             counts = ((positions[mine][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
@@ -232,6 +270,7 @@ class RadixTree:
             cells = node.slots[local] == slots[mine, None]
             hit = cells.any(axis=1)
             found += int(np.count_nonzero(hit))
+            node.writable()
             node.slots[local[hit]] = np.where(cells[hit], _EMPTY, node.slots[local[hit]])
             node.positions[local[hit]] = np.where(cells[hit], _EMPTY, node.positions[local[hit]])
             self._changed(node)
@@ -242,11 +281,27 @@ class RadixTree:
 
     def _path(self, key: RecordKey) -> list[tuple[TreeNode, int]]:
         """The nodes ``key`` runs through and how many of each one's records it matches (as
-        :meth:`match`, without touching them)."""
-        node = self._root(key.namespace)
-        records = key.records
+        :meth:`match`, without touching them). The last key's path is kept while the structure holds
+        (a request's match, mark, plan and commit walk the same path), and a key extending it
+        (:attr:`RecordKey.base`: what a request publishes) walks on from its end."""
+        last = self._last_path
         parts: list[tuple[TreeNode, int]] = []
-        i = 0
+        node, i = self._root(key.namespace), 0
+        records = key.records
+        if last is not None and last[1] == self._shape and (last[0] is key or key.base is last[0]):
+            if last[0] is key:
+                return list(last[2])
+            parts = list(last[2])
+            i = sum(common for _, common in parts)
+            if parts:
+                node, common = parts[-1]
+                if common < node.key.shape[0]:  # stopped inside the node: a mismatch, or the base's end
+                    more = _common_prefix(node.key[common:], records[i:])
+                    parts[-1] = (node, common + more)
+                    i += more
+                    if common + more < node.key.shape[0]:
+                        self._last_path = (key, self._shape, list(parts))
+                        return parts
         while i < records.shape[0]:
             child = node.children.get(int(records[i]))
             if child is None:
@@ -257,6 +312,7 @@ class RadixTree:
             if common < child.key.shape[0]:
                 break
             node = child
+        self._last_path = (key, self._shape, list(parts))
         return parts
 
     def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> np.ndarray:
@@ -274,37 +330,55 @@ class RadixTree:
                 raise TreeError(f"{name}: expected shape ({n}, width), got {arr.shape}")
         if slots.shape != positions.shape:
             raise TreeError(f"positions: shape {positions.shape} differs from slots {slots.shape}")
+        given = np.flatnonzero(slots[:, 0] >= 0 if slots.shape[1] == 1 else (slots >= 0).any(axis=1))
+        resident = slots.copy()
+        resident[given] = self.publish(key, given, slots[given], positions[given], terminal)
+        return resident
+
+    def publish(self, key: RecordKey, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray,
+                terminal: np.ndarray) -> np.ndarray:
+        """:meth:`insert` of only the tokens given versions: ``slots[i, j]`` at ``positions[i, j]``
+        (-1 = none) are versions of token ``tokens[i]`` (ascending, distinct). Reads and writes only
+        the rows of those tokens (and the records of a new leaf); returns ``slots``' resident slots."""
+        n = key.n_tokens
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or (tokens.size and (tokens[0] < 0 or tokens[-1] >= n or (np.diff(tokens) <= 0).any())):
+            raise TreeError(f"tokens: expected distinct ascending token indexes below {n}, got {tokens[:8].tolist()}")
+        for name, arr in (("slots", slots), ("positions", positions)):
+            if arr.ndim != 2 or arr.shape[0] != tokens.size:
+                raise TreeError(f"{name}: expected shape ({tokens.size}, width), got {arr.shape}")
+        if slots.shape != positions.shape:
+            raise TreeError(f"positions: shape {positions.shape} differs from slots {slots.shape}")
         if terminal.shape != (n,):
             raise TreeError(f"terminal: expected shape ({n},), got {terminal.shape}")
         n_rec = key.records.shape[0]
         positions = np.where(slots >= 0, positions, _EMPTY)
-        given = np.flatnonzero(slots[:, 0] >= 0 if slots.shape[1] == 1 else (slots >= 0).any(axis=1))
-        given_records = key.token_record[given]
+        given_records = key.token_record[tokens]
         resident = slots.copy()
+        parts = self._path(key)
+        ends = np.cumsum([common for _, common in parts], dtype=np.int64)
+        bounds = np.searchsorted(given_records, ends).tolist()  # the given rows within each part
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
-        i = 0
-        while i < n_rec:
-            child = node.children.get(int(key.records[i]))
-            if child is None:
-                t = int(np.searchsorted(key.token_record, i))
-                records = key.token_record[t:] - i
-                child, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[t:], records, n_rec - i),
-                                            _spread(positions[t:], records, n_rec - i))
-                resident[t:] = np.take(own, records, axis=0)
-                common = n_rec - i
-            else:
-                common = _common_prefix(child.key, key.records[i:])
-                if common < child.key.shape[0]:
-                    child = self._split(child, common)
-                lo, hi = np.searchsorted(given_records, [i, i + common]).tolist()
-                if hi > lo:  # only the rows given a version are read (as slices where they are a run)
-                    rows, records = _span(given[lo:hi], given_records[lo:hi] - i)
-                    resident[rows] = self._merge(child, records, slots[rows], positions[rows])
+        i, lo = 0, 0
+        for (child, common), hi in zip(parts, bounds):
+            if common < child.key.shape[0]:
+                child = self._split(child, common)
+            if hi > lo:  # only the rows given a version are read (as a slice where they are a run)
+                records = given_records[lo:hi] - i
+                first, last = int(records[0]), int(records[-1])
+                rows = slice(first, last + 1) if last - first + 1 == hi - lo else records
+                resident[lo:hi] = self._merge(child, rows, slots[lo:hi], positions[lo:hi])
             self._touch(child, stamp)
-            i += common
-            node = child
+            i, lo, node = i + common, hi, child
+        if i < n_rec:
+            records = given_records[lo:] - i
+            leaf, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[lo:], records, n_rec - i),
+                                       _spread(positions[lo:], records, n_rec - i))
+            resident[lo:] = own[records]
+            self._touch(leaf, stamp)
+            node = leaf
         if n_rec and not node.children:
             self._end_path(node, np.asarray(terminal, dtype=np.int64))
         return resident
@@ -438,8 +512,16 @@ class RadixTree:
             nodes.append(node)
             stop += node.n_tokens
             node = node.parent
+        if tokens.size == 0:
+            return
+        first, last = int(tokens[0]), int(tokens[-1])
         for node in nodes:
             start = stop - node.n_tokens
+            if start > last or stop <= first:  # none of the tokens is here
+                stop = start
+                if stop <= first:
+                    break
+                continue
             lo, hi = np.searchsorted(tokens, [start, stop]).tolist()
             stop = start
             if hi == lo:
@@ -472,6 +554,7 @@ class RadixTree:
                 self.pool.tree_decref(held)
             node.parent = None
         self._roots.clear()
+        self._shape += 1
         self._leaves.clear()
         self._dirty.clear()
         self._unread.clear()
@@ -486,6 +569,7 @@ class RadixTree:
             empty = np.zeros((0, 1), dtype=np.int64)
             root = TreeNode(np.zeros(0, dtype=np.int64), empty, empty.copy(), next(self._uids))
             self._roots[namespace] = root
+            self._shape += 1
         return root
 
     def _nodes(self) -> list[TreeNode]:
@@ -504,6 +588,7 @@ class RadixTree:
             node.read_changes += 1
         else:
             node.changes += 1
+            node._held = None
         self._dirty.add(node)
 
     def _tick(self) -> int:
@@ -538,6 +623,7 @@ class RadixTree:
         node.parent = parent
         parent.children[int(key[0])] = node
         self._n_nodes += 1
+        self._shape += 1
         if slots.shape[1] > 1:
             return node, self._merge(node, slice(0, key.shape[0]), slots, positions)
         held = slots[:, 0] >= 0
@@ -554,6 +640,7 @@ class RadixTree:
                          node.read_pos[:at], node.read_cnt[:at])
         upper.parent = parent
         upper.last_access = node.last_access
+        upper.shared = node.shared
         parent.children[int(upper.key[0])] = upper
         node.key, node.slots, node.positions = node.key[at:], node.slots[at:], node.positions[at:]
         node.n_tokens -= upper.n_tokens
@@ -563,6 +650,7 @@ class RadixTree:
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self._n_nodes += 1
+        self._shape += 1
         return upper
 
     def _merge(self, node: TreeNode, rows: np.ndarray | slice, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -584,6 +672,7 @@ class RadixTree:
             if not add.any():
                 continue
             target = rows_index[add]
+            node.writable()
             has_free, cols = first_true(node.slots[target] < 0)
             if not has_free.all():
                 node.slots = _widen(node.slots)
@@ -602,6 +691,7 @@ class RadixTree:
         count = 0
         if held.any():
             count = self.pool.tree_decref(node.slots[held])
+            node.writable()
             node.slots[held] = _EMPTY
             node.positions[held] = _EMPTY
             self._changed(node)
@@ -617,6 +707,7 @@ class RadixTree:
             del parent.children[int(node.key[0])]
             node.parent = None
             self._n_nodes -= 1
+            self._shape += 1
             self._changed(node)
             if parent.attached and not parent.children:
                 self._push(self._leaves, parent)
@@ -653,36 +744,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     k = min(a.shape[0], b.shape[0])
     diff = np.flatnonzero(a[:k] != b[:k])
     return int(diff[0]) if diff.size else k
-
-
-def _gather(parts: list[tuple[TreeNode, int]], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Versions of the records ``rows`` (ascending, within the matched records of ``parts``), each
-    node's rows written once into the padded result."""
-    width = max((node.slots.shape[1] for node, _ in parts), default=1)
-    slots = np.full((rows.size, width), _EMPTY, dtype=np.int64)
-    positions = np.full((rows.size, width), _EMPTY, dtype=np.int64)
-    start = 0
-    for node, common in parts:
-        lo, hi = np.searchsorted(rows, [start, start + common]).tolist()
-        if hi > lo:
-            local = rows[lo:hi] - start
-            first, last = int(local[0]), int(local[-1])
-            index = slice(first, last + 1) if last - first + 1 == hi - lo else local
-            w = node.slots.shape[1]
-            slots[lo:hi, :w] = node.slots[index]
-            positions[lo:hi, :w] = node.positions[index]
-        start += common
-    return slots, positions
-
-
-def _span(tokens: np.ndarray, records: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | slice]:
-    """Token rows and node records of the versions given to one node (ascending, in step), as the
-    slices spanning them when no event record lies between them and they fill at least a quarter
-    of the span (rows between hold no version, so the merge skips them), else as they are."""
-    n_tokens = int(tokens[-1]) - int(tokens[0]) + 1
-    if n_tokens == int(records[-1]) - int(records[0]) + 1 and 4 * tokens.size >= n_tokens:
-        return slice(int(tokens[0]), int(tokens[-1]) + 1), slice(int(records[0]), int(records[-1]) + 1)
-    return tokens, records
 
 
 def _spread(values: np.ndarray, token_record: np.ndarray, n_records: int) -> np.ndarray:
