@@ -86,6 +86,28 @@ def test_a_sibling_that_reads_the_old_positions_keeps_them_and_the_request_copie
     core.finish(branch)
 
 
+@pytest.mark.parametrize("left", [False, True], ids=["continued", "left"])
+def test_a_reply_the_next_turn_leaves_holds_no_version_for_later_turns(left: bool) -> None:
+    """Each turn generates the next message as its reply, or a reply the next turn's text does not
+    repeat (a re-rendered or replayed assistant message: ``left``). Turn 3 moves message 2 (tokens
+    4, 5) from its birth positions 4, 5 and copies it, since its own message 3 reads it there first;
+    turn 4 moves it again. Only the left turn-2 end still read the versions at 4, 5, and nothing can
+    continue it, so turn 4 rotates them where they are in both cases (no copy slot for them)."""
+    messages = MESSAGES[:4] + ((10, 11),)
+    agent = Conversation(messages, {3: (0,), 4: (1,)}, (3, 4))
+    core = CacheCore(SlotPool(64))
+    for turn in (2, 3, 4):
+        request = core.admit(agent.program(turn), in_place=True)
+        if turn == 4:
+            rotated = {int(t) for job in request.plan.copies for t, s, d in zip(job.tokens, job.src, job.dst)
+                       if s == d}
+            assert {4, 5} <= rotated
+        reply = agent.reply(turn) + (20 if left else 0)
+        core.finish(request, reply, core.allocate(reply.size))
+    core.flush()
+    assert core.pool.n_free == core.pool.size
+
+
 def test_a_request_holding_the_old_version_keeps_it() -> None:
     """While another request reads tokens 4, 5 at 4, 5, turn 3 copies them instead."""
     core = CacheCore(SlotPool(64))
@@ -123,10 +145,11 @@ BRUTE_POOL = 400
 
 
 def _serve_alternately(first: Conversation, second: Conversation, check: Callable[[ContextProgram, RequestPlan], None],
-                       **kind: bool) -> None:
+                       left: bool = False, **kind: bool) -> None:
     """Every turn of two conversations, alternately and each turn twice (a retry), planned with
     ``kind`` and run on the brute-force KV: every read holds exactly the KV the query needs, writes go
-    only to the request's own or taken slots, ``check`` sees each plan, and nothing leaks."""
+    only to the request's own or taken slots, ``check`` sees each plan, and nothing leaks. With
+    ``left`` each turn generates a reply that the next turn's text does not repeat."""
     kv = SimulatedKV()
     pool = SlotPool(BRUTE_POOL, on_free=kv.forget)
     core = CacheCore(pool)
@@ -140,7 +163,7 @@ def _serve_alternately(first: Conversation, second: Conversation, check: Callabl
         trace = kv.execute(plan, brute_layout(program, intern), pool, rewritable=taken)
         assert trace.written == set(plan.fresh.tolist()) | taken
         check(program, plan)
-        reply = conv.reply(turn)
+        reply = conv.reply(turn) + (10 if left else 0)
         slots = core.allocate(reply.size)
         kv.write_generated(slots, brute_layout(append_generated(program, reply), intern), program.n_tokens, pool)
         core.finish(request, reply, slots)
@@ -205,12 +228,13 @@ def test_compact_turns_and_a_sibling_match_the_oracle(tiny_qwen3: ReferenceModel
 
 
 @settings(max_examples=100, deadline=None)
-@given(conversations(max_messages=8), conversations(max_messages=8))
-def test_in_place_plans_are_safe_in_one_forward(first: Conversation, second: Conversation) -> None:
+@given(conversations(max_messages=8), conversations(max_messages=8), st.booleans())
+def test_in_place_plans_are_safe_in_one_forward(first: Conversation, second: Conversation, left: bool) -> None:
     """In-place plans (``in_place=True``, what the patched SGLang server runs: a request's segments
     in one forward, all their copies before any segment's attention), turn by turn
-    (:func:`_serve_alternately`): each computed token keeps its own birth slot, and no segment reads
-    a slot that a later segment rotates in place (in one forward it would read the rotated key)."""
+    (:func:`_serve_alternately`, replies continued or ``left``): each computed token keeps its own
+    birth slot, and no segment reads a slot that a later segment rotates in place (in one forward it
+    would read the rotated key)."""
     def check(program: ContextProgram, plan: RequestPlan) -> None:
         births = np.concatenate([s.slots for s in plan.segments]) if plan.segments else np.zeros(0, np.int64)
         assert births.size == np.unique(births).size == int(plan.computed.sum())
@@ -220,7 +244,7 @@ def test_in_place_plans_are_safe_in_one_forward(first: Conversation, second: Con
             assert not rotated & read_before, "an earlier segment of the forward reads a slot rotated in place"
             read_before |= set(segment.prefix_slots.tolist()) | set(segment.copies.src.tolist())
 
-    _serve_alternately(first, second, check, in_place=True)
+    _serve_alternately(first, second, check, left, in_place=True)
 
 
 def test_an_in_place_plan_takes_no_copy_slot_and_keeps_its_births() -> None:

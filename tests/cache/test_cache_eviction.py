@@ -15,7 +15,9 @@ from akv.system.cache.tree import DROPPED, STALE, RadixTree
 
 from .conversations import Conversation, conversations
 
-Published = tuple[tuple[int, ...], np.ndarray]
+Published = tuple[tuple[int, ...], np.ndarray, int, int]
+"""A publication: its records, terminal, generated records, and how many of its records the tree
+held before (where its new leaf starts)."""
 
 
 def brute_ranks(paths: list[Published], cells: dict[tuple[tuple[int, ...], int], int]) -> dict[int, int]:
@@ -25,7 +27,7 @@ def brute_ranks(paths: list[Published], cells: dict[tuple[tuple[int, ...], int],
     ranks: dict[int, int] = {}
     for (prefix, position), slot in cells.items():
         token = sum(1 for record in prefix if record >= 0) - 1
-        finals = [int(t[token]) for r, t in maximal if r[: len(prefix)] == prefix]
+        finals = [int(t[token]) for r, t, *_ in maximal if r[: len(prefix)] == prefix]
         rank = 0 if all(f < 0 for f in finals) else 1 if position not in finals else 2
         assert ranks.setdefault(slot, rank) == rank, f"slot {slot} sits in two cells of different ranks"
     return ranks
@@ -34,7 +36,7 @@ def brute_ranks(paths: list[Published], cells: dict[tuple[tuple[int, ...], int],
 def resident_cells(tree: RadixTree, published: list[Published]) -> dict[tuple[tuple[int, ...], int], int]:
     """(record prefix ending at the token, position) -> slot, for every resident version."""
     cells = {}
-    for records, _ in published:
+    for records, *_ in published:
         key_records = np.array(records, dtype=np.int64)
         token_record = np.flatnonzero(key_records >= 0)
         match = tree.match(RecordKey(key_records, token_record))
@@ -92,10 +94,11 @@ def publish_turn(core: CacheCore, conv: Conversation, turn: int, with_reply: boo
     program = conv.program(turn)
     request = core.admit(program)
     reply = conv.reply(turn) if with_reply else np.zeros(0, np.int64)
-    core.finish(request, reply, core.allocate(reply.size))
     key = program_key(program).with_tokens(reply)
+    held = core.tree.match(key).n_records
+    core.finish(request, reply, core.allocate(reply.size))
     terminal = np.concatenate([program.final_position, program.next_position + np.arange(reply.size)])
-    return tuple(key.records.tolist()), terminal
+    return tuple(key.records.tolist()), terminal, reply.size, held
 
 
 @st.composite
@@ -206,16 +209,30 @@ def assert_single_eviction_order(before: dict[int, int], after: dict[int, int], 
 
 def recorded(tree: RadixTree, published: list[Published]) -> list[Published]:
     """The published histories whose path the tree still has whole (those whose end eviction pruned
-    stop being paths; the maximal ones among all published are the paths)."""
-    histories = {records: terminal for records, terminal in published}
-    maximal = [(r, t) for r, t in histories.items()
-               if not any(len(o) > len(r) and o[: len(r)] == r for o in histories)]
+    stop being paths; the maximal ones among all published are the paths), less those a later
+    publication left within their generated records: its new leaf starts where the two part, and
+    the earlier one goes on from there for no more records than it generated."""
+    last = {records: (k, terminal, generated, held)
+            for k, (records, terminal, generated, held) in enumerate(published)}
     out = []
-    for records, terminal in maximal:
+    for records, (k, terminal, generated, held) in last.items():
+        if any(len(o) > len(records) and o[: len(records)] == records for o in last):
+            continue
+        if any(j > k and _parting(records, o) == o_held < len(o) and len(records) - o_held <= generated
+               for j, (o, _, _, o_held) in enumerate(published) if o_held < len(records)):
+            continue
         key = np.array(records, dtype=np.int64)
         if tree.match(RecordKey(key, np.flatnonzero(key >= 0))).n_records == key.size:
-            out.append((records, terminal))
+            out.append((records, terminal, generated, held))
     return out
+
+
+def _parting(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading records ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _publish(tree: RadixTree, key: RecordKey, terminal: list[int]) -> np.ndarray:
@@ -254,7 +271,7 @@ def test_versions_a_pruned_path_end_leaves_unkept_go_before_lru_leaves() -> None
     for conv, turn in [(convs[0], t) for t in range(7)] + [(convs[1], 0), (convs[1], 1)]:
         program = conv.program(turn)
         core.finish(core.admit(program))
-        published.append((tuple(program_key(program).records.tolist()), np.asarray(program.final_position)))
+        published.append((tuple(program_key(program).records.tolist()), np.asarray(program.final_position), 0, 0))
     ranks = brute_ranks(recorded(core.tree, published), resident_cells(core.tree, published))
     assert sorted(s for s, r in ranks.items() if r == DROPPED) == [1, 2, 3, 5, 13]
     assert sorted(s for s, r in ranks.items() if r == STALE) == [4, 6, 7, 8, 9]
@@ -278,7 +295,7 @@ def test_a_growing_path_end_keeps_the_counts_of_a_full_recount() -> None:
         key = plain_key(ids[:n] if n != 8 else np.concatenate([ids[:5], [7, 8, 9]]))
         slots = _publish(tree, key, terminal.tolist())
         resident += slots[len(resident):].tolist() if n != 8 else []
-        published.append((tuple(key.records.tolist()), terminal))
+        published.append((tuple(key.records.tolist()), terminal, 0, 0))
         assert_counts_agree(tree)
         ranks = brute_ranks(recorded(tree, published), resident_cells(tree, published))
         got = tree.ranks()

@@ -215,7 +215,8 @@ class AkvRadixCache(BasePrefixCache):
         """Insert a plain request's tokens with their slots; its own slots go to the tree or back.
         Returns the slots resident for them now (empty when not inserted)."""
         ids = np.asarray((req.origin_input_ids + req.output_ids)[: row.size], dtype=np.int64) if is_insert else None
-        return plain.publish(self.core, row, req.cache_protected_len, ids, req.extra_key or "")
+        return plain.publish(self.core, row, req.cache_protected_len, ids, req.extra_key or "",
+                             generated=max(row.size - len(req.origin_input_ids), 0))
 
     def _row(self, req: Any, length: int, start: int = 0) -> np.ndarray:
         """The request's ``req_to_token`` columns ``[start, length)``, from the host copy (and, with

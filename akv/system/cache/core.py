@@ -266,7 +266,8 @@ class CacheCore:
         tokens, positions, version_slots = _own_versions(request, plan, slots)
         given, table_slots, table_positions = _as_rows(tokens, positions, version_slots)
         terminal = np.concatenate([request.program.final_position, request.program.next_position + np.arange(ids.size)])
-        self.tree.publish(request.key.with_tokens(ids), given, table_slots, table_positions, terminal.astype(np.int64))
+        self.tree.publish(request.key.with_tokens(ids), given, table_slots, table_positions, terminal.astype(np.int64),
+                          generated=ids.size)
         self._release(request, slots)
 
     def abort(self, request: ActiveRequest) -> None:

@@ -6,7 +6,8 @@ on eviction.
 
 Eviction is drop-aware. A *path* is a root-to-leaf path whose end a publication recorded (the
 leaf keeps that publication's terminal: the position each token is read at from the end, -1 when
-dropped). Versions of a token every path drops go first (vacuously so when no recorded path passes
+dropped) and no later one replaced: one that continues it, or one that leaves it within the records
+its publication generated (a next turn whose text does not repeat the reply as generated). Versions of a token every path drops go first (vacuously so when no recorded path passes
 through), then *stale* versions no path reads (positions superseded by a Repos on every path that
 keeps the token), then LRU leaves, then LRU inner versions. Evicting a version leaves a hole: the
 structure stays, so the path still matches and a later request recomputes only what it must. Only
@@ -58,9 +59,11 @@ class PathMark:
 
 class TreeNode:
     """One edge: ``key`` records with ``slots``/``positions`` arrays of shape (len, width);
-    ``terminal``: the terminal (per token of the whole path) of the publication that ended here."""
+    ``terminal``: the terminal (per token of the whole path) of the publication that ended here, and
+    ``generated``: how many of the path's last records that publication generated (not its prompt)."""
 
-    __slots__ = ("key", "n_tokens", "slots", "positions", "read_pos", "read_cnt", "terminal", "children", "parent",
+    __slots__ = ("key", "n_tokens", "slots", "positions", "read_pos", "read_cnt", "terminal", "generated",
+                 "children", "parent",
                  "last_access", "uid", "changes", "read_changes", "shared", "_held")
 
     def __init__(self, key: np.ndarray, slots: np.ndarray, positions: np.ndarray, uid: int,
@@ -72,6 +75,7 @@ class TreeNode:
         self.read_pos = np.full((key.shape[0], 1), _EMPTY, dtype=np.int64) if read_pos is None else read_pos
         self.read_cnt = np.zeros((key.shape[0], 1), dtype=np.int64) if read_cnt is None else read_cnt
         self.terminal: np.ndarray | None = None
+        self.generated = 0
         self.children: dict[int, TreeNode] = {}
         self.parent: TreeNode | None = None
         self.last_access = 0
@@ -131,6 +135,7 @@ class RadixTree:
         self._spare: tuple[tuple[int, int], int] | None = None
         self.epoch = 0
         self._shape = 0  # changes of the tree's structure (nodes added, split or removed)
+        self._most_generated = 0  # the most generated records any publication had
         self._last_path: tuple[RecordKey, int, list[tuple[TreeNode, int]]] | None = None
 
     @property
@@ -208,9 +213,10 @@ class RadixTree:
 
     def exclusive(self, key: RecordKey, match: MatchResult, tokens: np.ndarray | None = None) -> np.ndarray:
         """Which versions of ``match`` (a match of ``key``) only a request continuing ``key`` could read:
-        no request references the slot, and no recorded path reads it, except the path ending at the
-        leaf the match covers whole (the request's own earlier turn, whose end its publication
-        replaces). Rows of ``match.slots`` for ``tokens`` (matched token indexes; default all)."""
+        no request references the slot, and no recorded path reads it, except the paths whose ends
+        the request's publication replaces (:meth:`publish`): the one ending where the match ends
+        (the request's own earlier turn), and those ``key`` leaves within their generated tokens.
+        Rows of ``match.slots`` for ``tokens`` (matched token indexes; default all)."""
         tokens = np.arange(match.n_tokens) if tokens is None else np.asarray(tokens, dtype=np.int64)
         out = np.zeros((tokens.size, match.width), dtype=bool)
         parts = self._path(key)
@@ -220,10 +226,11 @@ class RadixTree:
         lengths = np.asarray([common for _, common in parts], dtype=np.int64)
         ends = np.cumsum(lengths)
         leaf, common = parts[-1]
-        end_reads = None
-        if (common == leaf.key.shape[0] and not leaf.children and leaf.terminal is not None
-                and leaf.terminal.size >= match.n_tokens):
-            end_reads = leaf.terminal[tokens]
+        own = [leaf] if common == leaf.key.shape[0] and leaf.terminal is not None else []
+        if ends[-1] < key.records.shape[0]:
+            own += self._left_ends([leaf] if common < leaf.key.shape[0] else list(leaf.children.values()),
+                                   int(ends[-1]) - (common if common < leaf.key.shape[0] else 0), int(ends[-1]))
+        end_reads = [end.terminal[tokens] for end in own if end.terminal.size >= match.n_tokens]
         slots, positions = match.versions(tokens)
         free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
         ordered = rows.size < 2 or not (rows[1:] < rows[:-1]).any()
@@ -242,10 +249,8 @@ class RadixTree:
             local = rows[mine] - (ends[p] - lengths[p])
             read_pos, read_cnt = node.read_pos[local], node.read_cnt[local]
             counts = ((positions[mine][:, :, None] == read_pos[:, None, :]) * read_cnt[:, None, :]).sum(axis=2)
-            alone = counts == 0
-            if end_reads is not None:
-                alone |= (counts == 1) & (positions[mine] == end_reads[mine][:, None])
-            out[mine] = free[mine] & alone
+            own_counts = sum((positions[mine] == reads[mine][:, None]).astype(np.int64) for reads in end_reads)
+            out[mine] = free[mine] & (counts == own_counts)
         return out
 
     def take(self, key: RecordKey, tokens: np.ndarray, slots: np.ndarray) -> None:
@@ -315,12 +320,17 @@ class RadixTree:
         self._last_path = (key, self._shape, list(parts))
         return parts
 
-    def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray) -> np.ndarray:
+    def insert(self, key: RecordKey, slots: np.ndarray, positions: np.ndarray, terminal: np.ndarray,
+               generated: int = 0) -> np.ndarray:
         """Publish versions for ``key``'s tokens: ``slots[t, j]`` at ``positions[t, j]`` (-1 = none).
 
         Versions the tree lacks are adopted (the tree takes a reference); duplicates of a resident
         (token, position) are left to the caller. ``terminal[t]`` is the position token ``t`` is read
-        at from the end of this path (-1 when dropped); the path's end keeps it to rank eviction.
+        at from the end of this path (-1 when dropped); the path's end keeps it to rank eviction, and
+        how many of its last tokens the request ``generated``. A path that leaves a recorded end within
+        that end's generated tokens (the next turn of a conversation whose text does not repeat the
+        reply as generated: a re-rendered or replayed assistant message) replaces that end: nothing
+        continues it any more, so its reads no longer hold versions for it.
         Returns the slot now resident for each given version (``slots``' shape; -1 where none was
         given): its own, or the resident duplicate's.
         """
@@ -332,11 +342,11 @@ class RadixTree:
             raise TreeError(f"positions: shape {positions.shape} differs from slots {slots.shape}")
         given = np.flatnonzero(slots[:, 0] >= 0 if slots.shape[1] == 1 else (slots >= 0).any(axis=1))
         resident = slots.copy()
-        resident[given] = self.publish(key, given, slots[given], positions[given], terminal)
+        resident[given] = self.publish(key, given, slots[given], positions[given], terminal, generated)
         return resident
 
     def publish(self, key: RecordKey, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray,
-                terminal: np.ndarray) -> np.ndarray:
+                terminal: np.ndarray, generated: int = 0) -> np.ndarray:
         """:meth:`insert` of only the tokens given versions: ``slots[i, j]`` at ``positions[i, j]``
         (-1 = none) are versions of token ``tokens[i]`` (ascending, distinct). Reads and writes only
         the rows of those tokens (and the records of a new leaf); returns ``slots``' resident slots."""
@@ -372,6 +382,7 @@ class RadixTree:
                 resident[lo:hi] = self._merge(child, rows, slots[lo:hi], positions[lo:hi])
             self._touch(child, stamp)
             i, lo, node = i + common, hi, child
+        left = self._left_ends(list(node.children.values()), i, i) if 0 < i < n_rec else []
         if i < n_rec:
             records = given_records[lo:] - i
             leaf, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[lo:], records, n_rec - i),
@@ -381,7 +392,26 @@ class RadixTree:
             node = leaf
         if n_rec and not node.children:
             self._end_path(node, np.asarray(terminal, dtype=np.int64))
+            if node.generated != generated:
+                node.generated = generated
+                node.read_changes += 1
+            self._most_generated = max(self._most_generated, generated)
+        for end in left:
+            self._forget_end(end)
         return resident
+
+    def _left_ends(self, nodes: list[TreeNode], start: int, at: int) -> list[TreeNode]:
+        """The recorded path ends under ``nodes`` (which start ``start`` records from the root) that a
+        path leaving them ``at`` records from the root leaves within their generated records."""
+        out, todo = [], [(node, start) for node in nodes]
+        while todo:
+            node, begin = todo.pop()
+            end = begin + node.key.shape[0]
+            if node.terminal is not None and end - at <= node.generated:
+                out.append(node)
+            if end - at < self._most_generated:
+                todo.extend((child, end) for child in node.children.values())
+        return out
 
     def evict(self, n_slots: int) -> int:
         """Free at least ``n_slots`` slots if possible, in the module's drop-aware order (LRU within
@@ -464,6 +494,7 @@ class RadixTree:
         if old is not None:
             if leaf.terminal is None:
                 parent.terminal = None
+                parent.generated = 0
                 leaf.terminal = terminal.copy()
                 parent.read_changes += 1
                 leaf.read_changes += 1
@@ -490,6 +521,7 @@ class RadixTree:
         if node.terminal is not None:
             self._count_end(node, -1)
             node.terminal = None
+            node.generated = 0
             node.read_changes += 1
 
     def _count_end(self, end: TreeNode, delta: int) -> None:
