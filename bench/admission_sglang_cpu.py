@@ -90,37 +90,21 @@ def agent_waves(turns: int, budget: int, floor_every: int,
     from akv.system.context.compiler import compile_program
     from akv.system.context.rules import parse_rules
     from akv.system.context.wire import encode_program
-    from bench.cache_core import agent_messages
+    from bench.cache_core import agent_messages, agent_turns
 
-    rng = np.random.default_rng(0)
-    messages = [m % VOCAB for m in agent_messages(rng, turns)]
+    messages = [m % VOCAB for m in agent_messages(np.random.default_rng(0), turns)]
     sizes = [m.size for m in messages]
-    drops: dict[str, list[int]] = {}
-    repositions: list[int] = []
-    dropped: set[int] = set()
     waves, turn_rows = [], []
-    for turn in range(turns):
-        last = 3 + 2 * turn  # this turn's tool result
-        live = sum(sizes[m] for m in range(last + 1) if m not in dropped)
-        for m in range(3, last, 2):
-            if live <= budget:
-                break
-            if m not in dropped:
-                drops.setdefault(str(last), []).append(m)
-                dropped.add(m)
-                live -= sizes[m]
-        if str(last) in drops:
-            repositions.append(last)
-        ids = np.concatenate(messages[: last + 1])
-        owners = np.repeat(np.arange(last + 1), sizes[: last + 1])
-        program = compile_program(ids, owners, parse_rules(drops or None, repositions or None, last + 1), last + 1)
-        row = {"turn": turn, "text_tokens": int(ids.size), "live_tokens": live, "events": len(drops) + len(repositions),
-               "akv_wave": len(waves)}
-        waves.append({"requests": [{"rid": f"akv-{turn}", "ids": ids.tolist(), "max_new": reply,
+    for turn, step in enumerate(agent_turns(messages, budget)):
+        last = step.last
+        program = compile_program(step.ids, step.owners,
+                                  parse_rules(step.drops or None, step.repositions or None, last + 1), last + 1)
+        row = {"turn": turn, "text_tokens": int(step.ids.size), "live_tokens": step.live,
+               "events": len(step.drops) + len(step.repositions), "akv_wave": len(waves)}
+        waves.append({"requests": [{"rid": f"akv-{turn}", "ids": step.ids.tolist(), "max_new": reply,
                                     "program": base64.b64encode(encode_program(program)).decode()}]})
         if turn % floor_every == floor_every - 1 or turn == turns - 1:
-            kept = [messages[m] for m in range(last + 1) if m not in dropped]
-            plain = np.concatenate(kept)
+            plain = np.concatenate([messages[m] for m in range(last + 1) if m not in step.dropped])
             plain[0] = (plain[0] + 1) % VOCAB  # its own path in the tree
             prefix = plain[: plain.size - sizes[last - 1] - sizes[last]]
             waves.append({"requests": [{"rid": f"prime-{turn}", "ids": prefix.tolist(), "program": None, "max_new": 1}]})

@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -270,6 +270,47 @@ def agent_messages(rng: np.random.Generator, turns: int) -> list[np.ndarray]:
     return [rng.integers(0, VOCAB, size=size) for size in sizes]
 
 
+@dataclass(frozen=True)
+class AgentTurn:
+    """One turn of the live-budget agent: its request holds messages ``0..last`` (``ids`` with their
+    ``owners``), the drops and repositions so far as sent on the wire, and ``live`` tokens once the
+    ``dropped`` messages are gone."""
+
+    last: int
+    ids: np.ndarray
+    owners: np.ndarray
+    drops: dict[str, list[int]]
+    repositions: list[int]
+    dropped: frozenset[int]
+    live: int
+
+
+def agent_turns(messages: list[np.ndarray], budget: int) -> Iterator[AgentTurn]:
+    """The live-budget agent's turns over :func:`agent_messages`' ``messages``: turn ``k`` ends with
+    tool result ``3 + 2k``; once the live length passes ``budget`` it drops the oldest results until
+    it fits and repositions at the new result."""
+    sizes = [m.size for m in messages]
+    drops: dict[str, list[int]] = {}
+    repositions: list[int] = []
+    dropped: set[int] = set()
+    for turn in range((len(messages) - 3) // 2):
+        last = 3 + 2 * turn  # this turn's tool result
+        live = sum(sizes[m] for m in range(last + 1) if m not in dropped)
+        victims = []
+        for m in range(3, last, 2):
+            if live <= budget:
+                break
+            if m not in dropped:
+                victims.append(m)
+                live -= sizes[m]
+        if victims:
+            drops[str(last)] = victims
+            dropped.update(victims)
+            repositions.append(last)
+        yield AgentTurn(last, np.concatenate(messages[: last + 1]), np.repeat(np.arange(last + 1), sizes[: last + 1]),
+                        {k: list(v) for k, v in drops.items()}, list(repositions), frozenset(dropped), live)
+
+
 def agent(rng: np.random.Generator, turns: int, budget: int, pool_size: int) -> dict[str, Any]:
     """The live-budget agent's turns (module docstring), each timed phase by phase."""
     from akv.system.adapter.context_request import AkvRequest
@@ -292,28 +333,11 @@ def agent(rng: np.random.Generator, turns: int, budget: int, pool_size: int) -> 
         return free.take(n)
 
     messages = agent_messages(rng, turns)
-    sizes = [m.size for m in messages]
-    drops: dict[str, list[int]] = {}
-    repositions: list[int] = []
-    dropped: set[int] = set()
     rows = []
-    for turn in range(turns):
-        last = 3 + 2 * turn  # this turn's result
-        live = sum(sizes[m] for m in range(last + 1) if m not in dropped)
-        victims = []
-        for m in range(3, last, 2):
-            if live <= budget:
-                break
-            if m not in dropped:
-                victims.append(m)
-                live -= sizes[m]
-        if victims:
-            drops[str(last)] = victims
-            dropped.update(victims)
-            repositions.append(last)
-        ids = np.concatenate(messages[: last + 1])
-        owners = np.repeat(np.arange(last + 1), sizes[: last + 1])
-        program = compile_program(ids, owners, parse_rules(drops or None, repositions or None, last + 1), last + 1)
+    for turn, step in enumerate(agent_turns(messages, budget)):
+        last, drops, repositions = step.last, step.drops, step.repositions
+        program = compile_program(step.ids, step.owners, parse_rules(drops or None, repositions or None, last + 1),
+                                  last + 1)
         state = AkvRequest(program)
         evict_seconds[0] = 0.0
         times = {}

@@ -154,30 +154,11 @@ def run(n_tokens: int, n_messages: int, dense_messages: int, repeats: int) -> di
 def agent_inputs(turns: int, budget: int, seed: int) -> dict[str, Any]:
     """The live-budget agent's last request after ``turns`` turns (as ``bench/cache_core.py --agent``
     builds it): token ids, owners and the wire fields."""
-    from bench.cache_core import agent_messages
+    from bench.cache_core import agent_messages, agent_turns
 
-    messages = agent_messages(np.random.default_rng(seed), turns)
-    sizes = [m.size for m in messages]
-    drops: dict[str, list[int]] = {}
-    repositions: list[int] = []
-    dropped: set[int] = set()
-    last = 0
-    for turn in range(turns):
-        last = 3 + 2 * turn  # this turn's tool result
-        live = sum(sizes[m] for m in range(last + 1) if m not in dropped)
-        victims = []
-        for m in range(3, last, 2):
-            if live <= budget:
-                break
-            if m not in dropped:
-                victims.append(m)
-                live -= sizes[m]
-        if victims:
-            drops[str(last)] = victims
-            dropped.update(victims)
-            repositions.append(last)
-    return {"ids": np.concatenate(messages[: last + 1]), "owners": np.repeat(np.arange(last + 1), sizes[: last + 1]),
-            "drops": drops, "repositions": repositions, "n_messages": last + 1}
+    *_, last = agent_turns(agent_messages(np.random.default_rng(seed), turns), budget)
+    return {"ids": last.ids, "owners": last.owners, "drops": last.drops, "repositions": last.repositions,
+            "n_messages": last.last + 1}
 
 
 def _cpu(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
