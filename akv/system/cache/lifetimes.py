@@ -104,8 +104,9 @@ def cold_single_peak(program: ContextProgram) -> int:
     in place (a plan that allocates no copy slots), from the program's drop ranges alone.
 
     On an empty cache every token read is a birth. A token no Drop hides is computed (the last token
-    is, and reads it). The tokens of a drop range, hidden from query ``at`` on, are computed together
-    exactly when a computed token lies between the range and ``at``, or when the range ends the text.
+    always is, and reads it). The tokens of a drop range, hidden from query ``at`` on, are computed
+    together exactly when a computed token lies from the range's end to before ``at``, or when the
+    range ends the text.
     Segments are the computed runs, cut where an event applies. A computed hidden token is last read
     by the last segment starting before its range's ``at``; one no Drop hides, by generation."""
     n = program.n_tokens
@@ -123,12 +124,13 @@ def cold_single_peak(program: ContextProgram) -> int:
             later_first = first
         later_start = s
     unread_starts, unread_ends = np.array(unread[::-1], dtype=np.int64).reshape(-1, 2).T
-    points = np.unique(np.concatenate([[0, n], unread_starts, unread_ends, np.fromiter((e.at for e in program.events), np.int64)]))
+    ats = np.fromiter((event.at for event in program.events), np.int64)
+    points = np.unique(np.concatenate([[0, n], unread_starts, unread_ends, ats]))
     after = np.searchsorted(unread_starts, points[:-1], side="right")  # unread ranges starting at or before
     computed = points[:-1] >= np.concatenate([[0], unread_ends])[after]
     starts, sizes = points[:-1][computed], np.diff(points)[computed]
-    births, at = np.array(read, dtype=np.int64).reshape(-1, 2).T
-    last = np.searchsorted(starts, at, side="left") - 1
+    births, hidden_at = np.array(read, dtype=np.int64).reshape(-1, 2).T
+    last = np.searchsorted(starts, hidden_at, side="left") - 1
     dead_by = np.cumsum(np.bincount(last, weights=births, minlength=starts.size)).astype(np.int64)
     alive = np.cumsum(sizes) - sizes - np.concatenate([[0], dead_by[:-1]])
     return int((alive + sizes).max(initial=0))
