@@ -15,8 +15,7 @@ import numpy as np
 from akv.system.adapter import lengths, pd_decode
 from akv.system.adapter.context_request import AkvRequest
 from akv.system.adapter.serving import REQUIRED_RADIX_CACHE_BACKEND
-from akv.system.cache.lifetimes import BirthLifetimes
-from akv.system.cache.occurrence import cold_plan
+from akv.system.cache.lifetimes import cold_single_peak
 
 ADMISSION_SLACK = 2
 """Slots SGLang's admission needs on an idle server beyond a request's own (``PrefillAdder.add_one_req``:
@@ -56,7 +55,7 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
         columns = lengths.text_limit(context_len) - program.n_tokens
         wanted = columns if wanted is None else min(wanted, columns)
     fits = wanted is not None and program.n_tokens + wanted + ADMISSION_SLACK <= pool_size  # births at most
-    needed = program.n_tokens if fits else _least_held(program)
+    needed = program.n_tokens if fits else cold_single_peak(program)
     room = pool_size - needed - ADMISSION_SLACK
     if room < 0:
         return (f"messages: the prompt needs {needed} KV slots at once (the tokens later ones read while a "
@@ -65,13 +64,6 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
     req.sampling_params.max_new_tokens = room if wanted is None else min(wanted, room)
     req.akv = AkvRequest(program, req.extra_key or "")
     return None
-
-
-def _least_held(program: Any) -> int:
-    """Slots the cold plan with births in place holds at once when its births are recycled (each
-    given back once no later round reads it)."""
-    draft = cold_plan(program, births_in_place=True)
-    return BirthLifetimes.of(draft.plan, program.n_tokens).single_peak() + draft.n_copy_slots
 
 
 def cap_extend(req: Any) -> bool:

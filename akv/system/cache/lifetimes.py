@@ -17,6 +17,7 @@ import numpy as np
 
 from akv.system.arrays import frozen
 from akv.system.cache.plan import RequestPlan
+from akv.system.context.program import ContextProgram
 
 FOREVER = np.iinfo(np.int64).max
 """``last_step`` of a birth generation reads (held to the end of the request)."""
@@ -96,3 +97,40 @@ class BirthLifetimes:
                 break
             k, held, end = k + 1, grown, int(self.ends[k + 1])
         return end
+
+
+def cold_single_peak(program: ContextProgram) -> int:
+    """:meth:`BirthLifetimes.single_peak` of ``program``'s plan on an empty cache with births rotated
+    in place (a plan that allocates no copy slots), from the program's drop ranges alone.
+
+    On an empty cache every token read is a birth. A token no Drop hides is computed (the last token
+    always is, and reads it). The tokens of a drop range, hidden from query ``at`` on, are computed
+    together exactly when a computed token lies from the range's end to before ``at``, or when the
+    range ends the text.
+    Segments are the computed runs, cut where an event applies. A computed hidden token is last read
+    by the last segment starting before its range's ``at``; one no Drop hides, by generation."""
+    n = program.n_tokens
+    ranges = sorted(((s, e, event.at) for event in program.events for s, e in event.ranges), reverse=True)
+    unread: list[tuple[int, int]] = []
+    read: list[tuple[int, int]] = []  # (births, at) of the computed ranges
+    later_start, later_first = n, n  # the next range's start, the first computed token from there on
+    for s, e, at in ranges:
+        first = later_first if e == later_start else e  # the first computed token from e on
+        if e == n or first < at:
+            read.append((e - s, at))
+            later_first = s
+        else:
+            unread.append((s, e))
+            later_first = first
+        later_start = s
+    unread_starts, unread_ends = np.array(unread[::-1], dtype=np.int64).reshape(-1, 2).T
+    ats = np.fromiter((event.at for event in program.events), np.int64)
+    points = np.unique(np.concatenate([[0, n], unread_starts, unread_ends, ats]))
+    after = np.searchsorted(unread_starts, points[:-1], side="right")  # unread ranges starting at or before
+    computed = points[:-1] >= np.concatenate([[0], unread_ends])[after]
+    starts, sizes = points[:-1][computed], np.diff(points)[computed]
+    births, hidden_at = np.array(read, dtype=np.int64).reshape(-1, 2).T
+    last = np.searchsorted(starts, hidden_at, side="left") - 1
+    dead_by = np.cumsum(np.bincount(last, weights=births, minlength=starts.size)).astype(np.int64)
+    alive = np.cumsum(sizes) - sizes - np.concatenate([[0], dead_by[:-1]])
+    return int((alive + sizes).max(initial=0))
