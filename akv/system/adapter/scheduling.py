@@ -33,7 +33,7 @@ def attach(req: Any, recv_req: Any, server_args: Any, pool_size: int, context_le
     behind it. On an idle server, with nothing resident that it can reuse, the least a request can
     hold is its births (every token something reads, computed once) re-rotated in place, each given
     back once no later round reads it: per round, that round's births and the earlier ones still
-    read (:meth:`akv.system.cache.lifetimes.BirthLifetimes.single_peak`), the plan the server falls
+    read (:func:`akv.system.cache.lifetimes.cold_single_peak`), the plan the server falls
     back to when its births and copies do not fit beside its new tokens
     (:meth:`akv.system.adapter.context_request.AkvRequest.plan_draft`). On a PD decode server it gets
     its decode-side state instead (:func:`akv.system.adapter.pd_decode.attach`)."""
