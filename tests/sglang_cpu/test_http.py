@@ -16,20 +16,15 @@ from typing import Any
 import pytest
 
 
+from bench import pd_check
+
 from .conftest import patched_servers
 from http_client import post as post_json
 from http_client import post_text
 
 pytestmark = pytest.mark.slow
 
-MESSAGES = [
-    {"role": "system", "content": "You follow record chains."},
-    {"role": "user", "content": "Read record A and follow it."},
-    {"role": "assistant", "content": "Reading A."},
-    {"role": "user", "content": "Record A: shipment 7 left the depot; see record B for the next leg."},
-    {"role": "assistant", "content": "Reading B."},
-    {"role": "user", "content": "Record B: the shipment arrived; the chain ends here."},
-]
+MESSAGES = pd_check.MESSAGES  # the record chain, one copy
 TURNS = [
     ("plain", {}),
     ("drop-and-repos", {"drop_message": {"4": [3]}, "reposition": [4]}),

@@ -17,11 +17,13 @@ class StagePositions:
     """
 
     def __init__(self, program: ContextProgram) -> None:
-        self._moves = [t for t in program.transitions if t.tokens.size]
+        # from each transition's runs: its tokens are worked out only if a walk reaches it
+        self._moves = [t for t in program.transitions if t.moves.starts.size]
         self._events = np.asarray([t.event for t in self._moves], dtype=np.int64)
+        firsts = np.asarray([int(t.moves.starts[0]) for t in self._moves], dtype=np.int64)
+        lasts = np.asarray([int(t.moves.starts[-1] + t.moves.lengths[-1]) - 1 for t in self._moves], dtype=np.int64)
+        self._firsts, self._lasts = firsts, lasts
         # the least and the greatest token the first k transitions moved (none outside moved before them)
-        firsts = np.asarray([int(t.tokens[0]) for t in self._moves], dtype=np.int64)
-        lasts = np.asarray([int(t.tokens[-1]) for t in self._moves], dtype=np.int64)
         self._lowest = np.minimum.accumulate(firsts) if firsts.size else firsts
         self._highest = np.maximum.accumulate(lasts) if lasts.size else lasts
         self._birth = program.birth_position
@@ -44,7 +46,7 @@ class StagePositions:
             if top == 0 or open_tokens[-1] < self._lowest[j]:
                 break  # the tokens left were never moved before this point
             move = self._moves[j]
-            lo, hi = np.searchsorted(open_tokens, (move.tokens[0], move.tokens[-1] + 1)).tolist()
+            lo, hi = np.searchsorted(open_tokens, (self._firsts[j], self._lasts[j] + 1)).tolist()
             if hi == lo:
                 continue
             found = np.minimum(np.searchsorted(move.tokens, open_tokens[lo:hi]), move.tokens.size - 1)

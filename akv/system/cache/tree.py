@@ -7,8 +7,8 @@ on eviction.
 Eviction is drop-aware. A *path* is a root-to-leaf path whose end a publication recorded (the
 leaf keeps that publication's terminal: the position each token is read at from the end, -1 when
 dropped) and no later one replaced: one that continues it, or one that leaves it within the records
-its publication generated (a next turn whose text does not repeat the reply as generated). Versions of a token every path drops go first (vacuously so when no recorded path passes
-through), then *stale* versions no path reads (positions superseded by a Repos on every path that
+its publication generated (a next turn whose text does not repeat the reply as generated). Versions
+of a token every path drops go first (vacuously so when no recorded path passes through), then *stale* versions no path reads (positions superseded by a Repos on every path that
 keeps the token), then LRU leaves, then LRU inner versions. Evicting a version leaves a hole: the
 structure stays, so the path still matches and a later request recomputes only what it must. Only
 versions no request references are released.
@@ -227,9 +227,7 @@ class RadixTree:
         ends = np.cumsum(lengths)
         leaf, common = parts[-1]
         own = [leaf] if common == leaf.key.shape[0] and leaf.terminal is not None else []
-        if ends[-1] < key.records.shape[0]:
-            own += self._left_ends([leaf] if common < leaf.key.shape[0] else list(leaf.children.values()),
-                                   int(ends[-1]) - (common if common < leaf.key.shape[0] else 0), int(ends[-1]))
+        own += self._left_behind(key, parts)
         end_reads = [end.terminal[tokens] for end in own if end.terminal.size >= match.n_tokens]
         slots, positions = match.versions(tokens)
         free = (slots >= 0) & (self.pool.request_refs(np.where(slots >= 0, slots, 0)) == 0)
@@ -368,6 +366,7 @@ class RadixTree:
         parts = self._path(key)
         ends = np.cumsum([common for _, common in parts], dtype=np.int64)
         bounds = np.searchsorted(given_records, ends).tolist()  # the given rows within each part
+        left = self._left_behind(key, parts)
         node = self._root(key.namespace)
         stamp = self._tick()
         self.epoch += 1
@@ -382,7 +381,6 @@ class RadixTree:
                 resident[lo:hi] = self._merge(child, rows, slots[lo:hi], positions[lo:hi])
             self._touch(child, stamp)
             i, lo, node = i + common, hi, child
-        left = self._left_ends(list(node.children.values()), i, i) if 0 < i < n_rec else []
         if i < n_rec:
             records = given_records[lo:] - i
             leaf, own = self._new_leaf(node, key.records[i:].copy(), _spread(slots[lo:], records, n_rec - i),
@@ -399,6 +397,17 @@ class RadixTree:
         for end in left:
             self._forget_end(end)
         return resident
+
+    def _left_behind(self, key: RecordKey, parts: list[tuple[TreeNode, int]]) -> list[TreeNode]:
+        """The recorded path ends that ``key`` (whose path is ``parts``) leaves within their generated
+        records: below where it parts from the tree."""
+        matched = sum(common for _, common in parts)
+        if not parts or matched >= key.records.shape[0]:
+            return []
+        node, common = parts[-1]
+        if common < node.key.shape[0]:  # it parts inside the node
+            return self._left_ends([node], matched - common, matched)
+        return self._left_ends(list(node.children.values()), matched, matched)
 
     def _left_ends(self, nodes: list[TreeNode], start: int, at: int) -> list[TreeNode]:
         """The recorded path ends under ``nodes`` (which start ``start`` records from the root) that a
